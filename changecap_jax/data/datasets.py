@@ -1,0 +1,212 @@
+"""Finding, building and opening the datasets of the trunk.
+
+A dataset is named in the config (``dataset.name``) and stored by TFDS (ArrayRecord) under
+``dataset.data_dir`` (default: ``$CHANGECAP_DATA_DIR``, else ``$XDG_CACHE_HOME/changecap_jax``,
+else ``~/.cache/changecap_jax``). The synthetic dataset builds itself the first time a config
+asks for it; the real datasets are built once with ``python -m data_prep.build``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tensorflow_datasets as tfds
+
+from changecap_jax.data import schema
+from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
+from changecap_jax.data.vocab import Vocabulary
+
+
+class DatasetError(RuntimeError):
+    """A dataset that is missing, corrupt or does not match what the config expects."""
+
+
+@dataclasses.dataclass
+class PreparedDataset:
+    """A built dataset: its TFDS builder, directory, metadata and vocabulary."""
+
+    name: str
+    builder: tfds.core.DatasetBuilder
+    directory: Path
+    meta: schema.DatasetMeta
+    vocab: Vocabulary
+
+    def split(self, split: str) -> Any:
+        """A random-access data source over one split (``len`` and ``[i]``)."""
+        return open_split(self, split)
+
+
+def default_data_dir() -> Path:
+    if os.environ.get("CHANGECAP_DATA_DIR"):
+        return Path(os.environ["CHANGECAP_DATA_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "changecap_jax"
+
+
+def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any]):
+    config = make_config(
+        variant,
+        seed=int(options.get("seed", 0)),
+        num_train=int(options.get("num_train", 3000)),
+        num_val=int(options.get("num_val", 300)),
+        num_test=int(options.get("num_test", 600)),
+        feature_shape=tuple(options.get("feature_shape", (8, 8, 64))),
+    )
+    # TFDS wants the registered configs by name and custom ones as objects.
+    named = config.name if config.name in SyntheticChange.builder_configs else config
+    return SyntheticChange(data_dir=str(data_dir), config=named, file_format="array_record")
+
+
+# name -> (builder factory, builds itself when missing)
+BUILDERS = {"synthetic": (_synthetic_builder, True)}
+
+
+def prepare(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    variant: str = "",
+    options: Mapping[str, Any] | None = None,
+    *,
+    build_if_missing: bool = True,
+) -> PreparedDataset:
+    """Finds (or, for self-building datasets, builds) a dataset and reads its metadata."""
+    if name not in BUILDERS:
+        raise DatasetError(f"unknown dataset {name!r}; known datasets: {sorted(BUILDERS)}")
+    factory, self_building = BUILDERS[name]
+    explicit_dir = data_dir not in (None, "")
+    root = Path(data_dir) if explicit_dir else default_data_dir()
+    can_build = self_building and build_if_missing
+    if explicit_dir and not root.is_dir() and not can_build:
+        raise DatasetError(
+            f"data dir {root} does not exist (dataset {name!r}); build the dataset into it "
+            f"first: python -m data_prep.build {name} --data_dir={root}"
+        )
+    builder = factory(root, variant or "moderate", options or {})
+    directory = Path(builder.data_dir)
+    if not (directory / "dataset_info.json").exists():
+        if not can_build:
+            raise DatasetError(
+                f"dataset {name!r} ({builder.builder_config.name}) is not built in {root}: "
+                f"expected {directory}; build it with python -m data_prep.build {name} "
+                f"--data_dir={root}"
+            )
+        logging.info("Building dataset %s into %s (first use)", name, directory)
+        build(builder)
+    return _read_prepared(name, builder, directory)
+
+
+def build(builder: tfds.core.DatasetBuilder) -> None:
+    """Builds a dataset; TFDS renames its temporary directory only on success."""
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(
+            compute_stats=tfds.download.ComputeStatsMode.SKIP
+        )
+    )
+
+
+def _read_prepared(name: str, builder: Any, directory: Path) -> PreparedDataset:
+    try:
+        meta = schema.DatasetMeta.load(directory / schema.META_FILE)
+        vocab = Vocabulary.load(directory / schema.VOCAB_FILE)
+    except (FileNotFoundError, ValueError) as e:
+        raise DatasetError(f"dataset {name!r} in {directory} is incomplete or corrupt: {e}") from e
+    return PreparedDataset(name=name, builder=builder, directory=directory, meta=meta, vocab=vocab)
+
+
+def open_split(dataset: PreparedDataset, split: str) -> Any:
+    """Opens one split; a missing, truncated or corrupt file gives an error naming it."""
+    splits = dataset.builder.info.splits
+    if split not in splits:
+        raise DatasetError(
+            f"dataset {dataset.name!r} in {dataset.directory} has no split {split!r}; "
+            f"splits: {sorted(splits)}"
+        )
+    files = sorted(dataset.directory.glob(f"*-{split}.array_record-*"))
+    _check_sizes(dataset, files)
+    try:
+        source = dataset.builder.as_data_source(split=split)
+        n = len(source)
+        if n:  # reading the first and last record checks the file's index and footer
+            source[0]
+            source[n - 1]
+    except Exception as e:  # array_record raises several types for damaged files
+        raise DatasetError(
+            f"cannot read split {split!r} of dataset {dataset.name!r}: file(s) "
+            f"{[str(f) for f in files]} are truncated or corrupt ({type(e).__name__}: {e}); "
+            f"delete {dataset.directory} and build it again"
+        ) from e
+    expected = splits[split].num_examples
+    if n != expected:
+        raise DatasetError(
+            f"split {split!r} of {dataset.directory} has {n} records, dataset_info.json "
+            f"says {expected}: the files are truncated or were replaced"
+        )
+    return _CheckedSource(source, files)
+
+
+def _check_sizes(dataset: PreparedDataset, files: list[Path]) -> None:
+    """Compares each record file with the size recorded at build time (cheap, every open)."""
+    recorded_path = dataset.directory / schema.FILES_FILE
+    if not recorded_path.exists():
+        raise DatasetError(f"{recorded_path} is missing: the dataset in {dataset.directory} "
+                           "was not completely built; delete it and build it again")
+    recorded = json.loads(recorded_path.read_text())
+    if not files:
+        raise DatasetError(f"no record files in {dataset.directory}")
+    for f in files:
+        want = recorded.get(f.name, {}).get("bytes")
+        size = f.stat().st_size
+        if want != size:
+            raise DatasetError(
+                f"record file {f} has {size} bytes, the build wrote {want}: it is truncated "
+                f"or corrupt; delete {dataset.directory} and build it again"
+            )
+
+
+def verify(dataset: PreparedDataset) -> None:
+    """Checks every record file against the sha256 recorded at build time (reads all bytes)."""
+    recorded = json.loads((dataset.directory / schema.FILES_FILE).read_text())
+    for name, info in recorded.items():
+        path = dataset.directory / name
+        if not path.exists() or schema.file_digest(path) != info["sha256"]:
+            raise DatasetError(f"record file {path} is missing or corrupt (sha256 differs from "
+                               "the build's)")
+
+
+class _CheckedSource:
+    """Wraps a data source so a record that fails to decode names its file and index."""
+
+    def __init__(self, source: Any, files: list[Path]):
+        self._source, self._files = source, files
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        try:
+            return self._source[index]
+        except Exception as e:
+            raise DatasetError(
+                f"record {index} of {[str(f) for f in self._files]} cannot be read "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    def __repr__(self) -> str:
+        return f"CheckedSource({self._files}, n={len(self)})"
+
+
+def check_feature_shape(
+    dataset: PreparedDataset, expected: tuple[int, ...] | None, key: str = "dataset"
+) -> None:
+    """Errors when a config expects another feature grid than the dataset stores."""
+    if expected and tuple(expected) != tuple(dataset.meta.feature_shape):
+        raise DatasetError(
+            f"{key}: the model expects features of shape {tuple(expected)} but dataset "
+            f"{dataset.name!r} in {dataset.directory} stores {tuple(dataset.meta.feature_shape)}"
+        )

@@ -1,0 +1,156 @@
+"""The record schema every dataset of the trunk is stored in, and its dataset metadata.
+
+A record is one example: a "before" feature grid, a semantic "after" (the pair whose change
+the change captions describe) and, where the dataset has one, a distractor "after" with its
+no-change captions (CLEVR-Change style). Keys:
+
+=========================  =====================  ==========================================
+key                        shape / dtype          meaning
+=========================  =====================  ==========================================
+id                         () int32               example number (file number in the raw data)
+image_id                   () string              evaluation id, e.g. "000123.png"
+before                     (H, W, C) float16      grid features of the before image
+after_semantic             (H, W, C) float16      after image with the semantic change
+after_distractor           (H, W, C) float16      after image with distractors only (optional)
+change_captions            (N,) string            reference captions of the semantic pair
+change_caption_ids         (N, L) int32           the same, tokenised, zero-padded
+no_change_captions         (M,) string            captions of the distractor pair (optional)
+no_change_caption_ids      (M, L) int32           (optional)
+change_type                () int32               index into DatasetMeta.change_types, -1 none
+bbox_before, bbox_after    (4,) float32           changed object's [x, y, w, h] px (optional)
+=========================  =====================  ==========================================
+
+Beside the records, each dataset directory holds ``vocab.json`` (official word -> id format),
+``meta.json`` (:class:`DatasetMeta`) and ``files.json`` (size and sha256 of each record file,
+so a truncated or replaced file is caught when the dataset is opened).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from changecap_jax.data.vocab import CaptionError
+
+VOCAB_FILE = "vocab.json"
+META_FILE = "meta.json"
+FILES_FILE = "files.json"  # size and sha256 of every record file, written at build time
+
+
+def features(
+    feature_shape: tuple[int, int, int], max_caption_len: int, *, with_distractor: bool,
+    with_boxes: bool = False,
+) -> tfds.features.FeaturesDict:
+    """The TFDS features of the record schema above."""
+    grid = lambda: tfds.features.Tensor(shape=tuple(feature_shape), dtype=np.float16)  # noqa: E731
+    spec = {
+        "id": tfds.features.Scalar(dtype=np.int32),
+        "image_id": tfds.features.Tensor(shape=(), dtype=np.object_),
+        "before": grid(),
+        "after_semantic": grid(),
+        "change_captions": tfds.features.Tensor(shape=(None,), dtype=np.object_),
+        "change_caption_ids": tfds.features.Tensor(shape=(None, max_caption_len), dtype=np.int32),
+        "change_type": tfds.features.Scalar(dtype=np.int32),
+    }
+    if with_distractor:
+        spec["after_distractor"] = grid()
+        spec["no_change_captions"] = tfds.features.Tensor(shape=(None,), dtype=np.object_)
+        spec["no_change_caption_ids"] = tfds.features.Tensor(
+            shape=(None, max_caption_len), dtype=np.int32
+        )
+    if with_boxes:
+        spec["bbox_before"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
+        spec["bbox_after"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
+    return tfds.features.FeaturesDict(spec)
+
+
+@dataclasses.dataclass
+class DatasetMeta:
+    """What the trainer needs to know about a built dataset (``meta.json``)."""
+
+    feature_shape: tuple[int, int, int]
+    max_caption_len: int
+    change_types: list[str]
+    has_distractor: bool
+    image_size: tuple[int, int] | None = None
+    raw_dir: str | None = None  # relative to the dataset directory, where images were kept
+    extractor: str = ""  # "synthetic_grid" or "resnet101_layer3" / "resnet101_layer4"
+    seed: int | None = None
+    split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> DatasetMeta:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"dataset metadata {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+            meta = cls(**data)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"dataset metadata {path} is malformed: {e}") from e
+        meta.feature_shape = tuple(meta.feature_shape)
+        if meta.image_size is not None:
+            meta.image_size = tuple(meta.image_size)
+        return meta
+
+
+def check_caption(caption: object, where: str) -> None:
+    """A caption must be a non-empty string with at least one word."""
+    if not isinstance(caption, str) or not caption.strip():
+        raise CaptionError(f"{where}: empty caption {caption!r}; every caption needs words")
+
+
+def check_record(
+    record: dict, feature_shape: tuple[int, int, int], max_caption_len: int, where: str
+) -> None:
+    """Validates one record against the schema before it is written; errors name the key."""
+    for key in ("before", "after_semantic", "after_distractor"):
+        if key not in record:
+            continue
+        shape = tuple(np.shape(record[key]))
+        if shape != tuple(feature_shape):
+            raise ValueError(
+                f"{where}: feature {key!r} has shape {shape}, expected {tuple(feature_shape)}"
+            )
+    for key in ("change_caption_ids", "no_change_caption_ids"):
+        if key not in record:
+            continue
+        ids = np.asarray(record[key])
+        if ids.ndim != 2 or ids.shape[1] != max_caption_len or ids.shape[0] == 0:
+            raise ValueError(
+                f"{where}: {key!r} has shape {ids.shape}, expected (N >= 1, {max_caption_len})"
+            )
+
+
+def record_files(directory: str | os.PathLike) -> list[Path]:
+    return sorted(Path(directory).glob("*.array_record-*"))
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class RecordBuilder(tfds.core.GeneratorBasedBuilder):
+    """Base of the trunk's builders: also writes ``files.json`` before the atomic rename."""
+
+    def _download_and_prepare(self, dl_manager, download_config):  # noqa: ANN001
+        super()._download_and_prepare(dl_manager, download_config)
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+                 for p in record_files(self.data_dir)}
+        (Path(self.data_dir) / FILES_FILE).write_text(json.dumps(files, indent=1))

@@ -1,0 +1,286 @@
+"""TFDS builder of the synthetic change dataset (ArrayRecord).
+
+One record per example id, in the common record schema of ``changecap_jax.data.schema``:
+the grid features of the before, semantic-after and distractor-after images, the change and
+no-change captions (text and ids), the change type and the changed object's boxes.
+
+Beside the records, in the dataset directory, the builder writes:
+
+* ``vocab.json`` (official word -> id format, from the train captions) and ``meta.json``;
+* ``raw/``: the rendered images and annotations in the CLEVR-Change layout (``images/``,
+  ``sc_images/``, ``nsc_images/``, ``change_captions.json``, ``no_change_captions.json``,
+  ``splits.json``, ``type_mapping.json``), so a person can
+  look at them and the ResNet-101 path of ``data_prep`` can re-extract features from them.
+
+Everything is written inside TFDS's temporary ``incomplete.*`` directory and renamed into place
+only when the whole build succeeded, so an interrupted build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from changecap_jax.data import grid_features, schema
+from changecap_jax.data.synthetic import render, scenes
+from changecap_jax.data.vocab import (
+    CaptionError,
+    Vocabulary,
+    log_unknown_words,
+    max_caption_length,
+)
+
+DEFAULT_SIZES = {"train": 3000, "val": 300, "test": 600}
+DEFAULT_FEATURE_SHAPE = (8, 8, 64)
+DEFAULT_IMAGE_SIZE = (128, 128)
+DEFAULT_MAX_CAPTION_LEN = 16
+
+
+@dataclasses.dataclass(eq=False)
+class SyntheticChangeConfig(tfds.core.BuilderConfig):
+    """Builder config: distractor strength, seed, split sizes and shapes."""
+
+    distractors: str = "moderate"
+    seed: int = 0
+    num_train: int = DEFAULT_SIZES["train"]
+    num_val: int = DEFAULT_SIZES["val"]
+    num_test: int = DEFAULT_SIZES["test"]
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE
+    feature_shape: tuple[int, int, int] = DEFAULT_FEATURE_SHAPE
+    captions_per_pair: int = 6
+    max_caption_len: int = DEFAULT_MAX_CAPTION_LEN
+
+
+def make_config(
+    distractors: str = "moderate",
+    seed: int = 0,
+    num_train: int = DEFAULT_SIZES["train"],
+    num_val: int = DEFAULT_SIZES["val"],
+    num_test: int = DEFAULT_SIZES["test"],
+    feature_shape: tuple[int, int, int] = DEFAULT_FEATURE_SHAPE,
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
+) -> SyntheticChangeConfig:
+    """A config whose name spells out every non-default setting (one directory per variant)."""
+    if distractors not in scenes.DISTRACTORS:
+        raise ValueError(
+            f"unknown distractor strength {distractors!r}; expected one of "
+            f"{sorted(scenes.DISTRACTORS)}"
+        )
+    feature_shape = tuple(int(v) for v in feature_shape)
+    image_size = tuple(int(v) for v in image_size)
+    if len(feature_shape) != 3 or min(feature_shape) < 1:
+        raise ValueError(f"feature_shape must be (H, W, C), positive sizes; got {feature_shape}")
+    if min(num_train, num_val, num_test) < 1:
+        raise ValueError("every split needs at least one example")
+    name = distractors
+    if seed:
+        name += f"_seed{seed}"
+    sizes = (num_train, num_val, num_test)
+    if sizes != tuple(DEFAULT_SIZES.values()):
+        name += "_n{}-{}-{}".format(*sizes)
+    if feature_shape != DEFAULT_FEATURE_SHAPE:
+        name += "_f{}x{}x{}".format(*feature_shape)
+    if image_size != DEFAULT_IMAGE_SIZE:
+        name += "_img{}x{}".format(*image_size)
+    return SyntheticChangeConfig(
+        name=name, description=f"synthetic change pairs, {distractors} distractors",
+        distractors=distractors, seed=seed, num_train=num_train, num_val=num_val,
+        num_test=num_test, feature_shape=feature_shape, image_size=image_size,
+    )
+
+
+def example_rng(seed: int, example_id: int) -> np.random.Generator:
+    """The generator of one example: independent of every other example."""
+    return np.random.default_rng([seed, example_id])
+
+
+def split_ids(config: SyntheticChangeConfig) -> dict[str, list[int]]:
+    """Ids 0..N-1 shuffled into train/val/test (as CLEVR-Change's splits.json)."""
+    n = config.num_train + config.num_val + config.num_test
+    perm = np.random.default_rng([config.seed, 2**31 - 1]).permutation(n).tolist()
+    return {
+        "train": perm[: config.num_train],
+        "val": perm[config.num_train : config.num_train + config.num_val],
+        "test": perm[config.num_train + config.num_val :],
+    }
+
+
+def change_type_of(example_id: int) -> str:
+    return scenes.CHANGE_TYPES[example_id % len(scenes.CHANGE_TYPES)]
+
+
+def make_example(config: SyntheticChangeConfig, example_id: int) -> scenes.Example:
+    return scenes.sample_example(
+        example_rng(config.seed, example_id), change_type_of(example_id), config.distractors,
+        config.captions_per_pair,
+    )
+
+
+IMAGE_DIRS = {  # record key -> (raw sub-directory, CLEVR-Change file prefix)
+    "before": ("images", "CLEVR_default"),
+    "after_semantic": ("sc_images", "CLEVR_semantic"),
+    "after_distractor": ("nsc_images", "CLEVR_nonsemantic"),
+}
+
+
+def image_path(raw_dir: str | os.PathLike, key: str, example_id: int) -> Path:
+    sub, prefix = IMAGE_DIRS[key]
+    return Path(raw_dir) / sub / f"{prefix}_{example_id:06d}.png"
+
+
+def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str, Any]:
+    """Worker: renders the three images of one example, saves them, extracts features."""
+    config, example_id, raw_dir = job
+    ex = make_example(config, example_id)
+    views = {
+        "before": (ex.before, ex.camera_before, ex.light_before),
+        "after_semantic": (ex.after, ex.camera_semantic, ex.light_semantic),
+        "after_distractor": (ex.before, ex.camera_distractor, ex.light_distractor),
+    }
+    out: dict[str, Any] = {}
+    images = []
+    boxes = {}
+    for key, (objects, cam, light) in views.items():
+        image, obj_boxes = render.render(objects, cam, light, config.image_size)
+        Image.fromarray(image).save(image_path(raw_dir, key, example_id), compress_level=6)
+        images.append(image)
+        boxes[key] = obj_boxes
+    feats = grid_features.extract(np.stack(images), config.feature_shape)
+    for key, f in zip(views, feats, strict=True):
+        out[key] = f
+    missing = np.full((4,), -1.0, np.float32)
+    out["bbox_before"] = (np.asarray(boxes["before"][ex.changed_index_before], np.float32)
+                          if ex.changed_index_before >= 0 else missing)
+    out["bbox_after"] = (np.asarray(boxes["after_semantic"][ex.changed_index_after], np.float32)
+                         if ex.changed_index_after >= 0 else missing)
+    return out
+
+
+class SyntheticChange(schema.RecordBuilder):
+    """CLEVR-Change-like synthetic pairs: semantic changes among viewpoint/light distractors."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    # Render processes; None: one per core (at most 8); 0: render in this process (debugging).
+    num_workers: int | None = None
+    BUILDER_CONFIGS = [make_config("moderate"), make_config("extreme")]
+    DEFAULT_CONFIG_NAME = "moderate"
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        cfg: SyntheticChangeConfig = self.builder_config
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=__doc__,
+            features=schema.features(
+                cfg.feature_shape, cfg.max_caption_len, with_distractor=True, with_boxes=True
+            ),
+        )
+
+    def _split_generators(self, dl_manager: Any) -> dict[str, Iterator]:
+        cfg: SyntheticChangeConfig = self.builder_config
+        data_dir = Path(self.data_dir)  # TFDS's temporary directory during the build
+        raw_dir = data_dir / "raw"
+        for sub, _ in IMAGE_DIRS.values():
+            (raw_dir / sub).mkdir(parents=True, exist_ok=True)
+        splits = split_ids(cfg)
+        examples = {i: make_example(cfg, i) for ids in splits.values() for i in ids}
+        for i, ex in examples.items():
+            for caption in ex.change_captions + ex.no_change_captions:
+                schema.check_caption(caption, f"synthetic example {i}")
+        train_captions = [c for i in splits["train"] for c in
+                          examples[i].change_captions + examples[i].no_change_captions]
+        vocab = Vocabulary.build(train_captions)
+        all_captions = [c for e in examples.values()
+                        for c in e.change_captions + e.no_change_captions]
+        longest = max_caption_length(all_captions)
+        if longest > cfg.max_caption_len:
+            raise ValueError(
+                f"longest caption has {longest} tokens, more than max_caption_len="
+                f"{cfg.max_caption_len}"
+            )
+        vocab.save(data_dir / schema.VOCAB_FILE)
+        _write_raw_annotations(raw_dir, splits, examples)
+        schema.DatasetMeta(
+            feature_shape=cfg.feature_shape, max_caption_len=cfg.max_caption_len,
+            change_types=list(scenes.CHANGE_TYPES), has_distractor=True,
+            image_size=cfg.image_size, raw_dir="raw", extractor="synthetic_grid",
+            seed=cfg.seed, split_sizes={k: len(v) for k, v in splits.items()},
+        ).save(data_dir / schema.META_FILE)
+        self._examples, self._vocab, self._raw_dir = examples, vocab, raw_dir
+        return {name: self._generate_examples(ids, name) for name, ids in splits.items()}
+
+    def _generate_examples(
+        self, ids: list[int], split: str
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
+        cfg: SyntheticChangeConfig = self.builder_config
+        # Unknown words are an error in train captions; in val/test they become <UNK>.
+        unknown: dict[str, int] | None = None if split == "train" else {}
+        jobs = [(cfg, i, str(self._raw_dir)) for i in ids]
+        workers = self.num_workers
+        if workers is None:
+            workers = max(1, min(os.cpu_count() or 1, 8))
+        with contextlib.ExitStack() as stack:
+            if workers:
+                # 'spawn': the caller may already run JAX threads, which must not be forked.
+                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
+                results = pool.imap(_render_and_extract, jobs, chunksize=16)
+            else:
+                results = map(_render_and_extract, jobs)
+            for i, rendered in zip(ids, results, strict=True):
+                ex = self._examples[i]
+                where = f"synthetic example {i} ({self._raw_dir})"
+                record = {
+                    "id": i,
+                    "image_id": f"{i:06d}.png",
+                    **{k: rendered[k] for k in IMAGE_DIRS},
+                    "change_captions": np.array(ex.change_captions, dtype=object),
+                    "change_caption_ids": self._encode(ex.change_captions, where, unknown),
+                    "no_change_captions": np.array(ex.no_change_captions, dtype=object),
+                    "no_change_caption_ids": self._encode(ex.no_change_captions, where, unknown),
+                    "change_type": scenes.CHANGE_TYPES.index(ex.change_type),
+                    "bbox_before": rendered["bbox_before"],
+                    "bbox_after": rendered["bbox_after"],
+                }
+                schema.check_record(record, cfg.feature_shape, cfg.max_caption_len, where)
+                yield i, record
+        if unknown:
+            log_unknown_words(unknown, f"synthetic {split} split")
+
+    def _encode(
+        self, captions: tuple[str, ...], where: str, unknown: dict[str, int] | None
+    ) -> np.ndarray:
+        try:
+            return self._vocab.encode_many(
+                captions, self.builder_config.max_caption_len, allow_unk=unknown is not None,
+                unknown_counter=unknown,
+            )
+        except CaptionError as e:
+            raise CaptionError(f"{where}: {e}") from e
+
+
+def _write_raw_annotations(
+    raw_dir: Path, splits: dict[str, list[int]], examples: dict[int, scenes.Example]
+) -> None:
+    """The annotation files of the CLEVR-Change layout (datasets.md §1.2)."""
+    ids = sorted(examples)
+    name = lambda i: f"CLEVR_default_{i:06d}.png"  # noqa: E731
+    files = {
+        "change_captions.json": {name(i): list(examples[i].change_captions) for i in ids},
+        "no_change_captions.json": {name(i): list(examples[i].no_change_captions) for i in ids},
+        "splits.json": splits,
+        "type_mapping.json": {
+            t: [f"{i:06d}.png" for i in ids if examples[i].change_type == t]
+            for t in scenes.CHANGE_TYPES
+        },
+    }
+    for fname, content in files.items():
+        (raw_dir / fname).write_text(json.dumps(content))

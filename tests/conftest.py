@@ -1,0 +1,37 @@
+"""Shared test setup.
+
+Every test process sees 8 simulated CPU devices, so multi-device behaviour is tested the same
+way everywhere; single-device code still runs on the default device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# A tiny synthetic dataset shared by the data tests: built once per test session.
+SMALL = {"num_train": 40, "num_val": 12, "num_test": 10, "feature_shape": (4, 4, 16)}
+
+
+def shared_file(*parts: str) -> Path:
+    """A file of ../shared/data; skips the test with a clear message when it is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"real annotation file {path} is absent (expected ../shared/data beside "
+                    "the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_synthetic(tmp_path_factory):
+    from changecap_jax.data import datasets
+
+    root = tmp_path_factory.mktemp("data")
+    return datasets.prepare("synthetic", root, "moderate", SMALL)
