@@ -1,0 +1,724 @@
+"""Caption evaluation that reproduces the official change-captioning protocol.
+
+The SCORER / DIRL ``evaluate.py`` scores generated captions with ``pycocoevalcap``'s
+``COCOEvalCap``: PTB tokenisation (Stanford CoreNLP 3.4.1, Java) of both the predictions and the
+references, then BLEU-1..4, METEOR 1.5, ROUGE-L, CIDEr and SPICE.  It scores every subset of the
+test set (all semantic pairs, each change type, the distractor / no-change pairs and the total) as a
+*separate* ``COCOEvalCap`` run, so CIDEr's document frequencies (and BLEU's corpus statistics) are
+recomputed per subset.  This module does the same, with two cost savings that do not change any
+number:
+
+* the PTB tokeniser runs once for every caption of every subset (it tokenises line by line, so one
+  Java call gives the same tokens as the two calls per subset that ``COCOEvalCap`` makes);
+* one METEOR process serves every subset (each subset is still its own ``EVAL`` request, exactly as
+  ``Meteor.compute_score`` does it), and SPICE, whose per-caption scores do not depend on the other
+  captions, runs once over the union of the subsets and is averaged per subset in the order the
+  official wrapper averages it.
+
+SPICE needs the Stanford CoreNLP 3.6.0 jars in ``pycocoevalcap/spice/lib``.  ``pycocoevalcap``
+downloads them on first use; this module never does: when they are missing SPICE is skipped with one
+log message (``spice="auto"``) or a :class:`SpiceUnavailableError` is raised (``spice="on"``).
+
+Public API:
+
+* :func:`score_captions` -- raw scores (in [0, 1], as pycocoevalcap returns them) of one set;
+* :func:`tokenize_captions` + :func:`score_tokenized` -- tokenise once, score several subsets;
+* :class:`PairCaption`, :func:`evaluate_pairs` -- the papers' table (x100) with per-type rows;
+* :func:`format_table`, :func:`write_results` -- console table and atomic result files;
+* :func:`coco_reference_file`, :func:`references_from_coco` -- the official COCO-style GT files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.spice import get_stanford_models as _spice_models
+from pycocoevalcap.spice import spice as _spice_module
+from pycocoevalcap.tokenizer import ptbtokenizer as _ptb
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BLEU_KEYS",
+    "CHANGE_TYPES",
+    "METRIC_KEYS",
+    "NO_CHANGE",
+    "PairCaption",
+    "SpiceUnavailableError",
+    "TokenizedCaptions",
+    "coco_reference_file",
+    "evaluate_pairs",
+    "format_table",
+    "ptb_tokenize",
+    "references_from_coco",
+    "score_captions",
+    "score_tokenized",
+    "spice_missing_files",
+    "spice_setup_message",
+    "tokenize_captions",
+    "write_results",
+]
+
+BLEU_KEYS: tuple[str, ...] = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4")
+#: Metric keys in ``COCOEvalCap`` order; "SPICE" is present only when SPICE ran.
+METRIC_KEYS: tuple[str, ...] = (*BLEU_KEYS, "METEOR", "ROUGE_L", "CIDEr", "SPICE")
+#: Semantic change types of CLEVR-Change, in the order of the models' type labels.
+CHANGE_TYPES: tuple[str, ...] = ("color", "material", "add", "drop", "move")
+#: change_type of a distractor (viewpoint / illumination only) pair.
+NO_CHANGE = "no_change"
+#: Row order of :func:`evaluate_pairs` / :func:`format_table`.
+ROW_ORDER: tuple[str, ...] = ("total", "semantic", NO_CHANGE, *CHANGE_TYPES)
+
+_SPICE_MODES = ("auto", "on", "off")
+# pycocoevalcap is a namespace package (no __init__.py), so locate it through a submodule.
+_PKG_DIR = Path(_ptb.__file__).resolve().parent.parent
+_TOKENIZER_JAR = _PKG_DIR / "tokenizer" / _ptb.STANFORD_CORENLP_3_4_1_JAR
+_SPICE_DIR = _PKG_DIR / "spice"
+# A line appended after the real captions so that trailing empty captions are not at the end of
+# the tokeniser's input (where a missing final newline would otherwise be ambiguous).
+_SENTINEL = "sentinel"
+
+
+class SpiceUnavailableError(RuntimeError):
+    """Raised when ``spice="on"`` is requested but SPICE cannot run here."""
+
+
+# ---------------------------------------------------------------------------------------------
+# SPICE availability
+# ---------------------------------------------------------------------------------------------
+
+
+def _spice_jar() -> Path:
+    return _SPICE_DIR / _spice_module.SPICE_JAR
+
+
+def _corenlp_jars() -> list[Path]:
+    """The two jars ``get_stanford_models`` would download (CoreNLP 3.6.0 and its models)."""
+    lib = _SPICE_DIR / _spice_models.SPICELIB
+    return [lib / f"{_spice_models.JAR}.jar", lib / f"{_spice_models.JAR}-models.jar"]
+
+
+def _manifest_class_path(jar: Path) -> list[Path]:
+    """Entries of the ``Class-Path`` attribute of ``jar``'s manifest, resolved next to the jar."""
+    try:
+        with zipfile.ZipFile(jar) as zf:
+            text = zf.read("META-INF/MANIFEST.MF").decode("utf-8", errors="replace")
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return []
+    # Manifest lines are wrapped at 72 bytes; a continuation line starts with one space.
+    unfolded = text.replace("\r\n", "\n").replace("\n ", "")
+    for line in unfolded.split("\n"):
+        if line.lower().startswith("class-path:"):
+            return [jar.parent / entry for entry in line.split(":", 1)[1].split()]
+    return []
+
+
+def spice_missing_files() -> list[Path]:
+    """Files SPICE needs that are absent from ``pycocoevalcap/spice`` (empty list: SPICE can run).
+
+    Checks ``spice-1.0.jar``, the two Stanford CoreNLP 3.6.0 jars that pycocoevalcap's
+    ``get_stanford_models`` would download into ``spice/lib``, and every other jar listed in the
+    ``Class-Path`` of ``spice-1.0.jar``'s manifest.
+    """
+    spice_jar = _spice_jar()
+    needed: list[Path] = [spice_jar, *_corenlp_jars()]
+    if spice_jar.is_file():
+        needed += _manifest_class_path(spice_jar)
+    missing: list[Path] = []
+    for path in needed:
+        if not path.is_file() and path not in missing:
+            missing.append(path)
+    return missing
+
+
+def spice_setup_message(missing: Sequence[Path] | None = None) -> str:
+    """A human-readable explanation of why SPICE cannot run and how to enable it."""
+    if missing is None:
+        missing = spice_missing_files()
+    if not missing:
+        return "SPICE: all required jars are present."
+    lib = _SPICE_DIR / _spice_models.SPICELIB
+    url = f"http://nlp.stanford.edu/software/{_spice_models.CORENLP}.zip"
+    names = ", ".join(str(p) for p in missing)
+    return (
+        f"SPICE skipped: missing {names}. SPICE needs Stanford CoreNLP 3.6.0, which cannot be "
+        f"downloaded here (this module never downloads). To enable it, fetch {url} elsewhere and "
+        f"copy {_spice_models.JAR}.jar and {_spice_models.JAR}-models.jar from its "
+        f"{_spice_models.CORENLP}/ folder into {lib}/ (spice-1.0.jar belongs in {_SPICE_DIR}/)."
+    )
+
+
+def _resolve_spice(spice: str) -> bool:
+    """Whether SPICE should run for ``spice`` in {"auto", "on", "off"}; logs / raises as needed."""
+    if spice not in _SPICE_MODES:
+        raise ValueError(f"spice must be one of {_SPICE_MODES}, got {spice!r}")
+    if spice == "off":
+        return False
+    missing = spice_missing_files()
+    if not missing:
+        return True
+    message = spice_setup_message(missing)
+    if spice == "on":
+        raise SpiceUnavailableError(message)
+    logger.warning("%s", message)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_java() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise RuntimeError(
+            "caption evaluation needs a Java runtime ('java' on PATH) for the PTB tokenizer, "
+            "METEOR and SPICE"
+        )
+    return java
+
+
+def _one_line(caption: str) -> str:
+    # pycocoevalcap replaces "\n" by " "; the tokenizer also breaks lines at "\r", U+2028, ...,
+    # which would shift every later caption, so every line break Python knows becomes a space.
+    return " ".join(caption.splitlines()) if caption else caption
+
+
+def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, list[str]]:
+    """PTB-tokenise captions exactly like ``pycocoevalcap``'s ``PTBTokenizer``, in one Java call.
+
+    Runs ``edu.stanford.nlp.process.PTBTokenizer -preserveLines -lowerCase`` from the same
+    ``stanford-corenlp-3.4.1.jar`` and removes the same punctuation tokens.  Differences, which
+    change no token of a well-formed caption: the temporary input file lives in the system temp
+    directory rather than inside site-packages, every line break (not only ``"\\n"``) inside a
+    caption becomes a space, and the number of output lines is checked.
+
+    Args:
+        captions: key -> list of raw caption strings (keys may be any hashable).
+
+    Returns:
+        key -> list of tokenised captions (lowercased, space-joined tokens), same order.
+    """
+    keys: list[Hashable] = []
+    lines: list[str] = []
+    for key, caps in captions.items():
+        for cap in caps:
+            if not isinstance(cap, str):
+                raise TypeError(f"caption for {key!r} is not a string: {cap!r}")
+            keys.append(key)
+            lines.append(_one_line(cap))
+    out: dict[Hashable, list[str]] = {key: [] for key in captions}
+    if not lines:
+        return out
+    java = _require_java()
+    fd, tmp_name = tempfile.mkstemp(prefix="ptb_", suffix=".txt")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write("\n".join([*lines, _SENTINEL]).encode("utf-8"))
+        cmd = [
+            java,
+            "-cp",
+            str(_TOKENIZER_JAR),
+            "edu.stanford.nlp.process.PTBTokenizer",
+            "-preserveLines",
+            "-lowerCase",
+            tmp_name,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, check=False)
+    finally:
+        os.remove(tmp_name)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"PTBTokenizer failed (exit {proc.returncode}): {proc.stderr.decode(errors='replace')}"
+        )
+    token_lines = proc.stdout.decode("utf-8").split("\n")
+    if len(token_lines) < len(lines) + 1 or token_lines[len(lines)].strip() != _SENTINEL:
+        raise RuntimeError(
+            f"PTBTokenizer returned {len(token_lines)} lines for {len(lines)} captions; "
+            "the caption/line alignment is broken"
+        )
+    punct = set(_ptb.PUNCTUATIONS)
+    for key, line in zip(keys, token_lines, strict=False):
+        tokens = [w for w in line.rstrip().split(" ") if w not in punct]
+        out[key].append(" ".join(tokens))
+    return out
+
+
+@dataclass(frozen=True)
+class TokenizedCaptions:
+    """PTB-tokenised predictions and references, keyed by image id (see :func:`tokenize_captions`).
+
+    Attributes:
+        predictions: image id -> tokenised predicted caption.
+        references: image id -> tokenised reference captions (non-empty list).
+    """
+
+    predictions: dict[str, str]
+    references: dict[str, list[str]]
+
+
+def _validate(predictions: Mapping[str, str], references: Mapping[str, Sequence[str]]) -> None:
+    if not predictions:
+        raise ValueError("no predictions to score")
+    for image_id, caption in predictions.items():
+        if not isinstance(caption, str):
+            raise TypeError(f"prediction for {image_id!r} is not a string: {caption!r}")
+        if image_id not in references:
+            raise ValueError(f"no references for image id {image_id!r}")
+        refs = references[image_id]
+        if isinstance(refs, str):
+            raise TypeError(f"references for {image_id!r} must be a list of strings, not a string")
+        if len(refs) == 0:
+            raise ValueError(f"empty reference list for image id {image_id!r}")
+
+
+def tokenize_captions(
+    predictions: Mapping[str, str], references: Mapping[str, Sequence[str]]
+) -> TokenizedCaptions:
+    """Validate and PTB-tokenise predictions and their references with one Java call.
+
+    Only the references of ids in ``predictions`` are tokenised (others are ignored).
+
+    Raises:
+        ValueError: naming the id, when a prediction has no references or an empty list.
+    """
+    _validate(predictions, references)
+    raw: dict[Hashable, list[str]] = {}
+    for image_id, caption in predictions.items():
+        raw[("pred", image_id)] = [caption]
+        raw[("ref", image_id)] = list(references[image_id])
+    tok = ptb_tokenize(raw)
+    return TokenizedCaptions(
+        predictions={i: tok[("pred", i)][0] for i in predictions},
+        references={i: tok[("ref", i)] for i in predictions},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------
+
+
+def _close_meteor(meteor: Meteor) -> None:
+    """Stop the METEOR Java process (what ``Meteor.__del__`` does, but deterministically)."""
+    proc = meteor.meteor_p
+    with meteor.lock:
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _spice_per_image(gts: dict[str, list[str]], res: dict[str, list[str]]) -> dict[str, float]:
+    """Per-image SPICE F-scores ("All"/"f"), computed by pycocoevalcap's ``Spice`` scorer."""
+    # Spice.__init__ only calls get_stanford_models(), which downloads when a jar is missing;
+    # availability has been checked already, and skipping __init__ guarantees no download.
+    scorer = object.__new__(_spice_module.Spice)
+    _, per_image = scorer.compute_score(gts, res)
+    ids = sorted(gts.keys())
+    return {i: float(s["All"]["f"]) for i, s in zip(ids, per_image, strict=True)}
+
+
+def _plan(
+    tokenized: TokenizedCaptions, subsets: Mapping[str, Sequence[str]] | None
+) -> dict[str, list[str]]:
+    if subsets is None:
+        subsets = {"all": list(tokenized.predictions)}
+    plan: dict[str, list[str]] = {}
+    for name, ids in subsets.items():
+        ids = list(ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"subset {name!r} lists an image id more than once")
+        for image_id in ids:
+            if image_id not in tokenized.predictions:
+                raise ValueError(f"subset {name!r}: image id {image_id!r} has no prediction")
+        if ids:
+            plan[name] = ids
+    return plan
+
+
+def score_tokenized(
+    tokenized: TokenizedCaptions,
+    subsets: Mapping[str, Sequence[str]] | None = None,
+    *,
+    spice: str = "auto",
+) -> dict[str, dict[str, float]]:
+    """Score several subsets of already-tokenised captions, each as its own COCOEvalCap run.
+
+    Each subset gets fresh BLEU / ROUGE-L / CIDEr scorers and its own METEOR ``EVAL`` request, so
+    CIDEr's document frequencies come from that subset only: a subset's scores equal scoring that
+    subset alone.
+
+    Args:
+        tokenized: output of :func:`tokenize_captions`.
+        subsets: subset name -> image ids (default: ``{"all": every id}``). Empty subsets are
+            skipped (absent from the result).
+        spice: "auto" (run SPICE if its jars are present, else log why and skip), "on" (raise
+            :class:`SpiceUnavailableError` if it cannot run) or "off".
+
+    Returns:
+        subset name -> {"Bleu_1".."Bleu_4", "METEOR", "ROUGE_L", "CIDEr"[, "SPICE"]: raw float}.
+    """
+    plan = _plan(tokenized, subsets)
+    use_spice = _resolve_spice(spice)
+    return _score_plan(tokenized, plan, use_spice=use_spice, strict_spice=spice == "on")
+
+
+def _score_plan(
+    tokenized: TokenizedCaptions,
+    plan: dict[str, list[str]],
+    *,
+    use_spice: bool,
+    strict_spice: bool,
+) -> dict[str, dict[str, float]]:
+    if not plan:
+        return {}
+    _require_java()
+    spice_scores: dict[str, float] | None = None
+    if use_spice:
+        union = list(dict.fromkeys(i for ids in plan.values() for i in ids))
+        try:
+            spice_scores = _spice_per_image(
+                {i: tokenized.references[i] for i in union},
+                {i: [tokenized.predictions[i]] for i in union},
+            )
+        except Exception as exc:
+            if strict_spice:
+                raise SpiceUnavailableError(f"SPICE failed to run: {exc}") from exc
+            logger.warning("SPICE skipped: the SPICE scorer failed (%s)", exc)
+
+    results: dict[str, dict[str, float]] = {}
+    cache: dict[tuple[str, ...], dict[str, float]] = {}
+    meteor = Meteor()
+    try:
+        for name, ids in plan.items():
+            key = tuple(ids)
+            if key not in cache:
+                gts = {i: tokenized.references[i] for i in ids}
+                res = {i: [tokenized.predictions[i]] for i in ids}
+                scores: dict[str, float] = {}
+                bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+                scores.update({k: float(v) for k, v in zip(BLEU_KEYS, bleu, strict=True)})
+                scores["METEOR"] = float(meteor.compute_score(gts, res)[0])
+                scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
+                scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
+                if spice_scores is not None:
+                    # Spice.compute_score takes np.mean over its sorted image ids.
+                    values = np.array([spice_scores[i] for i in sorted(ids)])
+                    scores["SPICE"] = float(np.mean(values))
+                cache[key] = scores
+            results[name] = dict(cache[key])
+    finally:
+        _close_meteor(meteor)
+    return results
+
+
+def score_captions(
+    predictions: dict[str, str], references: dict[str, list[str]], *, spice: str = "auto"
+) -> dict[str, float]:
+    """Score predicted captions exactly like the official ``COCOEvalCap`` run.
+
+    Args:
+        predictions: image id -> predicted caption; these ids form the scored set.
+        references: image id -> reference captions (extra ids are ignored).
+        spice: "auto" | "on" | "off" (see :func:`score_tokenized`).
+
+    Returns:
+        {"Bleu_1".."Bleu_4", "METEOR", "ROUGE_L", "CIDEr"[, "SPICE"]: raw score in [0, 1] (CIDEr
+        can exceed 1)}, the floats pycocoevalcap returns, unrounded.
+
+    Raises:
+        ValueError: naming the id, when a prediction has no references or an empty list.
+        SpiceUnavailableError: ``spice="on"`` and SPICE cannot run.
+    """
+    _validate(predictions, references)
+    use_spice = _resolve_spice(spice)  # before any Java work, so "on" fails fast
+    tokenized = tokenize_captions(predictions, references)
+    plan = _plan(tokenized, {"all": list(predictions)})
+    return _score_plan(tokenized, plan, use_spice=use_spice, strict_spice=spice == "on")["all"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-pair records and the papers' table
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PairCaption:
+    """One image pair's generated caption and its references.
+
+    Attributes:
+        image_id: opaque id, by the official convention "000123.png" for a semantic pair and
+            "000123.png_n" for its distractor pair.
+        caption: the generated caption.
+        references: the ground-truth captions (non-empty).
+        change_type: one of :data:`CHANGE_TYPES` for a semantic pair, "no_change" for a
+            distractor pair, or "" when the dataset has no change types (e.g. Spot-the-Diff).
+    """
+
+    image_id: str
+    caption: str
+    references: list[str] = field(default_factory=list)
+    change_type: str = ""
+
+
+def _check_records(records: Sequence[PairCaption]) -> None:
+    if not records:
+        raise ValueError("no records to evaluate")
+    seen: set[str] = set()
+    allowed = {"", NO_CHANGE, *CHANGE_TYPES}
+    for rec in records:
+        if rec.image_id in seen:
+            raise ValueError(f"duplicate image id {rec.image_id!r}")
+        seen.add(rec.image_id)
+        if rec.change_type not in allowed:
+            raise ValueError(
+                f"image id {rec.image_id!r}: unknown change_type {rec.change_type!r} "
+                f"(expected one of {sorted(allowed)})"
+            )
+
+
+def _subsets(records: Sequence[PairCaption]) -> dict[str, list[str]]:
+    subsets: dict[str, list[str]] = {"total": [r.image_id for r in records]}
+    if all(r.change_type == "" for r in records):
+        return subsets
+    subsets["semantic"] = [r.image_id for r in records if r.change_type != NO_CHANGE]
+    subsets[NO_CHANGE] = [r.image_id for r in records if r.change_type == NO_CHANGE]
+    for ctype in CHANGE_TYPES:
+        subsets[ctype] = [r.image_id for r in records if r.change_type == ctype]
+    return {name: ids for name, ids in subsets.items() if ids}
+
+
+def evaluate_pairs(records: list[PairCaption], *, spice: str = "auto") -> dict[str, Any]:
+    """The papers' table: total, semantic, no-change and per-type scores, scaled x100.
+
+    Every row is scored as a separate COCOEvalCap run (per-subset CIDEr idf), with a single PTB
+    tokenisation for all records.
+
+    Returns:
+        ``{<metric>: total score x100, ..., "num_pairs": N, "semantic": {...}, "no_change": {...},
+        "color": {...}, ...}``; each sub-object is ``{<metric>: x100, "num_pairs": n}``. A
+        sub-object whose subset is empty is omitted; when every record has change_type "" only
+        the total row exists. Metric keys as in :func:`score_captions`; values are unrounded.
+    """
+    _check_records(records)
+    predictions = {r.image_id: r.caption for r in records}
+    references = {r.image_id: list(r.references) for r in records}
+    _validate(predictions, references)
+    use_spice = _resolve_spice(spice)  # before any Java work, so "on" fails fast
+    tokenized = tokenize_captions(predictions, references)
+    subsets = _subsets(records)
+    raw = _score_plan(
+        tokenized, _plan(tokenized, subsets), use_spice=use_spice, strict_spice=spice == "on"
+    )
+
+    def row(name: str) -> dict[str, Any]:
+        scaled: dict[str, Any] = {k: v * 100.0 for k, v in raw[name].items()}
+        scaled["num_pairs"] = len(subsets[name])
+        return scaled
+
+    metrics = row("total")
+    for name in ROW_ORDER[1:]:
+        if name in raw:
+            metrics[name] = row(name)
+    return metrics
+
+
+_TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("B4", "Bleu_4"),
+    ("M", "METEOR"),
+    ("R", "ROUGE_L"),
+    ("C", "CIDEr"),
+    ("S", "SPICE"),
+)
+
+
+def format_table(metrics: Mapping[str, Any]) -> str:
+    """Fixed-width text table of an :func:`evaluate_pairs` result, for console logs.
+
+    Rows: total, semantic, no_change, color, material, add, drop, move (those present); columns
+    B4, M, R, C, S (when SPICE is present) and N (number of pairs), two decimals.
+    """
+    rows: list[tuple[str, Mapping[str, Any]]] = [("total", metrics)]
+    for name in ROW_ORDER[1:]:
+        sub = metrics.get(name)
+        if isinstance(sub, Mapping):
+            rows.append((name, sub))
+    columns = [(label, key) for label, key in _TABLE_COLUMNS if key in metrics]
+    name_w = max(len(name) for name, _ in rows)
+    header = f"{'':<{name_w}}" + "".join(f" {label:>8}" for label, _ in columns) + f" {'N':>7}"
+    lines = [header]
+    for name, row in rows:
+        cells = []
+        for _, key in columns:
+            value = row.get(key)
+            cells.append(f" {value:>8.2f}" if isinstance(value, int | float) else f" {'-':>8}")
+        n = row.get("num_pairs")
+        cells.append(f" {n:>7d}" if isinstance(n, int) else f" {'-':>7}")
+        lines.append(f"{name:<{name_w}}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temp file in the same directory + ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.remove(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+_CAPTION_FIELDS = ("image_id", "caption", "references", "change_type")
+
+
+def write_results(
+    workdir: str | os.PathLike[str],
+    split: str,
+    step: int,
+    records: list[PairCaption],
+    metrics: dict[str, Any],
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> tuple[Path, Path]:
+    """Write the captions and metrics files of one evaluation.
+
+    Paths: ``<workdir>/captions/<split>_<step>.json`` and ``<workdir>/metrics/<split>_<step>.json``.
+
+    The captions file is in COCO result format (a list of ``{"image_id", "caption"}``) with
+    ``"references"`` and ``"change_type"`` added to each entry, plus the fields of
+    ``extra[image_id]`` when given. The metrics file holds ``metrics`` as is (full floats). Both are
+    written atomically (temp file in the target directory, then ``os.replace``).
+
+    Returns:
+        (captions path, metrics path).
+
+    Raises:
+        ValueError: when ``extra`` names an id that is not in ``records`` or a reserved field.
+    """
+    extra = extra or {}
+    ids = {r.image_id for r in records}
+    unknown = [i for i in extra if i not in ids]
+    if unknown:
+        raise ValueError(f"extra has ids that are not in records: {unknown[:5]!r}")
+    entries: list[dict[str, Any]] = []
+    for rec in records:
+        entry: dict[str, Any] = {
+            "image_id": rec.image_id,
+            "caption": rec.caption,
+            "references": list(rec.references),
+            "change_type": rec.change_type,
+        }
+        fields = extra.get(rec.image_id, {})
+        clash = [k for k in fields if k in _CAPTION_FIELDS]
+        if clash:
+            raise ValueError(f"extra[{rec.image_id!r}] overrides reserved fields {clash!r}")
+        entry.update(fields)
+        entries.append(entry)
+    root = Path(workdir)
+    name = f"{split}_{step}.json"
+    captions_path = root / "captions" / name
+    metrics_path = root / "metrics" / name
+    _atomic_write_json(captions_path, entries)
+    _atomic_write_json(metrics_path, metrics)
+    return captions_path, metrics_path
+
+
+def coco_reference_file(records: Iterable[PairCaption]) -> dict[str, Any]:
+    """The official COCO-caption GT dict (like ``total_change_captions_reformat.json``).
+
+    ``"images"`` lists ``{"filename": id, "id": id}`` once per record and ``"annotations"``
+    ``{"caption", "id": running int, "image_id"}`` per reference; ``"info"``, ``"licenses"`` and
+    ``"type"`` are filled with the same placeholders as the official files so that older
+    coco-caption loaders accept it.
+    """
+    info = {
+        k: "dummy" for k in ("contributor", "date_created", "description", "url", "version", "year")
+    }
+    gt: dict[str, Any] = {
+        "info": info,
+        "licenses": info,
+        "type": "captions",
+        "images": [],
+        "annotations": [],
+    }
+    count = 0
+    for rec in records:
+        gt["images"].append({"filename": rec.image_id, "id": rec.image_id})
+        for caption in rec.references:
+            gt["annotations"].append({"caption": caption, "id": count, "image_id": rec.image_id})
+            count += 1
+    return gt
+
+
+def references_from_coco(gt: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Read references back from a COCO-caption GT dict: image id -> list of captions.
+
+    Ids are returned as strings (``str(image_id)``). The order follows ``"images"`` when present
+    (duplicates collapsed, as in Spot-the-Diff's official GT file), then annotation order; images
+    without annotations are left out.
+
+    Raises:
+        ValueError: naming the missing key / entry when the input is malformed.
+    """
+    if not isinstance(gt, Mapping):
+        raise ValueError(f"COCO GT must be a dict, got {type(gt).__name__}")
+    if "annotations" not in gt:
+        raise ValueError("COCO GT is missing the 'annotations' key")
+    annotations = gt["annotations"]
+    if not isinstance(annotations, list):
+        raise ValueError("COCO GT 'annotations' must be a list")
+    order: list[str] = []
+    images = gt.get("images")
+    if images is not None:
+        if not isinstance(images, list):
+            raise ValueError("COCO GT 'images' must be a list")
+        for k, img in enumerate(images):
+            if not isinstance(img, Mapping) or "id" not in img:
+                raise ValueError(f"COCO GT 'images'[{k}] is missing the 'id' key")
+            order.append(str(img["id"]))
+    refs: dict[str, list[str]] = {}
+    for k, ann in enumerate(annotations):
+        if not isinstance(ann, Mapping):
+            raise ValueError(f"COCO GT 'annotations'[{k}] is not a dict")
+        for key in ("image_id", "caption"):
+            if key not in ann:
+                raise ValueError(f"COCO GT 'annotations'[{k}] is missing the {key!r} key")
+        if not isinstance(ann["caption"], str):
+            raise ValueError(f"COCO GT 'annotations'[{k}]['caption'] is not a string")
+        refs.setdefault(str(ann["image_id"]), []).append(ann["caption"])
+    ordered = {i: refs[i] for i in dict.fromkeys(order) if i in refs}
+    ordered.update({i: c for i, c in refs.items() if i not in ordered})
+    return ordered
