@@ -1,0 +1,510 @@
+"""DIRL + CCR (Tu et al., ECCV 2024): distractors-immune representation learning with
+cross-modal contrastive regularisation, as the official code ``tuyunbin/DIRL`` computes it.
+
+Section numbers (§) refer to ``shared/reference/official_pytorch.md``.
+
+Method
+------
+1. Visual embedding (§3.1 steps 1-3, shared with SCORER). Each image's grid (B, H, W, C)
+   (C = 1024 ResNet-101 layer3 channels, + 2 coordinate channels from AddSpatialInfo §2.3 on
+   CLEVR-Change, ``use_coordinates=True``) goes through a 1x1 projection (a Dense over channels)
+   to 512, gets the learned 2-D grid position embedding added, and is flattened row-major to
+   tokens X0 (B, H*W, 512), token t = i*W + j.
+2. DIRL loss (§4.1 step 2). A 2-layer MLP (512 -> 2048 -> ReLU -> dropout -> 512), shared by
+   both images and used only by this loss, maps X0_bef and X0_aft to Y1, Y2. The loss
+   (:func:`changecap_jax.losses.barlow_correlation_loss`) z-scores each channel over all B*H*W
+   tokens of the global batch and pushes the cross-correlation matrix towards the identity
+   (diagonal to 1: non-perturbation; off-diagonal to 0 with weight 0.003: discrimination).
+3. Shared-feature removal (§4.1 steps 3-4, paper Eq. 5-6). Two cross-attention layers
+   T(x, y) = LN(x + Dropout(MHA(q=x, k=v=y))), each shared by both directions, update the two
+   images SIMULTANEOUSLY: (X1, X2) <- (T(X1, X2), T(X2, X1)). The difference features are
+   pre minus post: diff_bef = X0_bef - X1, diff_aft = X0_aft - X2.
+4. CCR decoder (§4.2). Memory E = embed_fc(cat(diff_bef, diff_aft)) (Linear 1024 -> 512
+   [-> LN on CLEVR-DC] -> dropout -> ReLU; paper Eq. 7). Words: fc(embed(ids) + PE) with a fixed
+   sinusoid PE (§3.2). Two post-LN layers: masked self-attention (causal + key padding), cross-
+   attention to E, FFN 2048 ReLU. Logits: Linear 512 -> V.
+5. CCR loss (§4.2 step 3, paper Eq. 12-14). In the last decoder layer, t = mean over ALL Lt text
+   positions (pads included, as the official code does) of the self-attention sub-layer output
+   and v = the same mean of the cross-attention sub-layer output;
+   :func:`changecap_jax.losses.ccr_infonce_loss` applies InfoNCE with logits S + S^T, S = t v^T.
+6. Objective (§4.3). CLEVR-Change: the model runs on (before, after_semantic, change_caption)
+   and (before, after_distractor, no_change_caption); aux losses are the means of the two pairs
+   and the trainer adds cap + 0.5 dirl + 0.3 ccr. CLEVR-DC: one pair, cap + 0.03 dirl + 0.05 ccr.
+
+The two decoder variants (§4 table, field ``variant``):
+  * ``"clevr_change"`` = ``models/CCR_no_init.py``: no LayerNorms in ``fc`` / ``embed_fc``; torch
+    default init (word embedding N(0, 1) with the pad row 0 set to zero).
+  * ``"clevr_dc"`` = ``models/CCR.py``: LayerNorm after the Linear in ``fc`` and ``embed_fc``;
+    xavier_uniform on every >= 2-D decoder parameter (the pad row is overwritten).
+The encoder is the same in both (xavier_uniform on >= 2-D params, §4.4).
+
+Official state_dict key -> Flax param path (Appendix B)
+--------------------------------------------------------
+Linear weights are transposed (kernel = weight.T); LayerNorm weight -> ``scale``. Encoder keys
+come from ``change_detector_state`` and live under ``params['encoder']``; decoder keys come from
+``speaker_state`` (prefix ``core.`` dropped) and live under ``params['decoder']``. For every
+``nn.MultiheadAttention`` (``...attention``, ``...self_att``, ``...cross_att``), ``in_proj_weight``
+rows [0:E] / [E:2E] / [2E:3E] -> ``q_proj`` / ``k_proj`` / ``v_proj`` ``kernel`` (transposed),
+``in_proj_bias`` thirds -> their ``bias``, ``out_proj.weight/bias`` -> ``out_proj/kernel`` (T) /
+``bias``.
+
+========================================  ========================================================
+torch key                                 Flax path
+========================================  ========================================================
+img.0.weight (512, C, 1, 1)               encoder/img/kernel = weight[:, :, 0, 0].T (C, 512)
+img.0.bias                                encoder/img/bias
+w_embedding.weight (W, 256)               encoder/pos_embedding/w_embedding
+h_embedding.weight (H, 256)               encoder/pos_embedding/h_embedding
+mlp.0.weight / mlp.0.bias                 encoder/mlp_0/kernel (T) / bias
+mlp.3.weight / mlp.3.bias                 encoder/mlp_3/kernel (T) / bias
+transformer.{l}.attention.in_proj_weight  encoder/transformer_{l}/attention/{q,k,v}_proj/kernel
+transformer.{l}.attention.in_proj_bias    encoder/transformer_{l}/attention/{q,k,v}_proj/bias
+transformer.{l}.attention.out_proj.{w,b}  encoder/transformer_{l}/attention/out_proj/{kernel,bias}
+transformer.{l}.norm1.{weight,bias}       encoder/transformer_{l}/norm1/{scale,bias}
+core.embed.weight (V, 300)                decoder/embed/embedding
+core.fc.0.{weight,bias}                   decoder/fc_0/{kernel (T), bias}
+core.fc.1.{weight,bias} (DC only, LN)     decoder/fc_1/{scale,bias}
+core.embed_fc.0.{weight,bias}             decoder/embed_fc_0/{kernel (T), bias}
+core.embed_fc.1.{weight,bias} (DC, LN)    decoder/embed_fc_1/{scale,bias}
+core.position_enc.pe (max_len, 300)       not a param: the constant sinusoid_table(max_len,
+                                          word_dim); a converter should assert allclose
+core.layer.{l}.self_att.in_proj_weight    decoder/layer_{l}/self_att/{q,k,v}_proj/kernel
+core.layer.{l}.self_att.in_proj_bias      decoder/layer_{l}/self_att/{q,k,v}_proj/bias
+core.layer.{l}.self_att.out_proj.{w,b}    decoder/layer_{l}/self_att/out_proj/{kernel,bias}
+core.layer.{l}.cross_att.*                decoder/layer_{l}/cross_att/... (as self_att)
+core.layer.{l}.norm{1,2,3}.{weight,bias}  decoder/layer_{l}/norm{1,2,3}/{scale,bias}
+core.layer.{l}.linear1.{weight,bias}      decoder/layer_{l}/linear1/{kernel (T), bias}
+core.layer.{l}.linear2.{weight,bias}      decoder/layer_{l}/linear2/{kernel (T), bias}
+logit.{weight,bias}                       decoder/logit/{kernel (T), bias}
+========================================  ========================================================
+
+The 1x1 projection's kernel row c is input channel c; with coordinates, rows C and C + 1 are the
+x and y channels (same order as AddSpatialInfo). Row 0 of ``decoder/embed/embedding`` must get a
+zero gradient (torch ``padding_idx=0``); that mask belongs to the trainer (§1.2).
+
+Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_cache``,
+``decode_step``; ``decode`` is the full-recompute reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Module import (attributes read at call time): losses imports models.base, whose package
+# __init__ imports this file, so a from-import here would be circular.
+from changecap_jax import losses
+from changecap_jax.models.base import IGNORE_INDEX, ModelOutput
+from changecap_jax.models.layers import (
+    GridPositionEmbedding,
+    Initializer,
+    MultiheadAttention,
+    TorchDense,
+    add_spatial_coordinates,
+    make_attention_mask,
+    normal_zero_pad_init,
+    sinusoid_table,
+    torch_default_kernel_init,
+    torch_layer_norm,
+    xavier_uniform,
+)
+
+Array = jax.Array
+
+VARIANTS = ("clevr_change", "clevr_dc")
+PAIRS = ("both", "semantic_only")
+# stream name -> (after-image key, caption key); the "before" image is shared (§2.5).
+STREAMS = {
+    "semantic": ("after_semantic", "change_caption"),
+    "distractor": ("after_distractor", "no_change_caption"),
+}
+
+
+def caption_mask(ids: Array) -> Array:
+    """§2.5 item 5: True for the first k positions, k = number of non-zero ids in the row."""
+    length = jnp.sum(ids != 0, axis=-1, keepdims=True)
+    return jnp.arange(ids.shape[-1])[None, :] < length
+
+
+def make_caption_targets(ids: Array) -> Array:
+    """§2.5 item 6: target[t] = ids[t + 1] while position t + 1 is inside the mask, else
+    IGNORE_INDEX; the last position is always IGNORE_INDEX (so END as input gets no target)."""
+    mask = caption_mask(ids)
+    shifted = jnp.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
+    pad = jnp.full((ids.shape[0], 1), IGNORE_INDEX, dtype=shifted.dtype)
+    return jnp.concatenate([shifted, pad], axis=1).astype(jnp.int32)
+
+
+class EncoderOutput(NamedTuple):
+    diff_before: Array  # (B, HW, hidden): X0_bef - X_bef after the cross layers
+    diff_after: Array  # (B, HW, hidden)
+    mlp_before: Array | None  # (B, HW, hidden): DIRL MLP head outputs, None if not computed
+    mlp_after: Array | None
+
+
+# --------------------------------------------------------------------------------------------
+# Encoder (§4.1)
+# --------------------------------------------------------------------------------------------
+
+
+class CrossAttentionLayer(nn.Module):
+    """One DIRL cross layer (torch ``transformer.{l}``): T(x, y) = LN(x + Drop(MHA(x, y, y)))."""
+
+    hidden_dim: int
+    num_heads: int
+    dropout_rate: float
+    layer_norm_eps: float = 1e-5
+
+    def setup(self) -> None:
+        self.attention = MultiheadAttention(
+            self.hidden_dim,
+            self.num_heads,
+            dropout_rate=self.dropout_rate,
+            out_kernel_init=xavier_uniform,  # DIRL's _reset_parameters: xavier on all >= 2-D
+        )
+        self.norm1 = torch_layer_norm(self.layer_norm_eps)
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, x: Array, y: Array, *, deterministic: bool = True) -> Array:
+        attended = self.attention(x, y, deterministic=deterministic)
+        return self.norm1(x + self.dropout(attended, deterministic=deterministic))
+
+
+class DIRLEncoder(nn.Module):
+    """§4.1: projection + grid PE, the DIRL MLP head, and the shared cross layers."""
+
+    hidden_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 2
+    mlp_hidden_dim: int = 2048
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-5
+
+    def setup(self) -> None:
+        # torch img.0 (1x1 conv) as a Dense over channels; xavier weight, default conv bias.
+        self.img = TorchDense(self.hidden_dim, kernel_init=xavier_uniform)
+        self.pos_embedding = GridPositionEmbedding(self.hidden_dim)
+        self.mlp_0 = TorchDense(self.mlp_hidden_dim, kernel_init=xavier_uniform)
+        self.mlp_3 = TorchDense(self.hidden_dim, kernel_init=xavier_uniform)
+        self.mlp_dropout = nn.Dropout(self.dropout_rate)
+        self.transformer = [
+            CrossAttentionLayer(
+                self.hidden_dim, self.num_heads, self.dropout_rate, self.layer_norm_eps
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    def embed(self, grid: Array) -> Array:
+        """(B, H, W, C) -> X0 (B, H*W, hidden), token t = i*W + j (§3.1 steps 1-3)."""
+        b, h, w, _ = grid.shape
+        x = self.img(grid) + self.pos_embedding(h, w)[None]
+        return x.reshape(b, h * w, self.hidden_dim)
+
+    def mlp(self, x: Array, *, deterministic: bool = True) -> Array:
+        """torch ``mlp``: Linear -> ReLU -> Dropout -> Linear; feeds only the DIRL loss."""
+        y = nn.relu(self.mlp_0(x))
+        return self.mlp_3(self.mlp_dropout(y, deterministic=deterministic))
+
+    def __call__(
+        self, before: Array, after: Array, *, train: bool, with_mlp: bool = True
+    ) -> EncoderOutput:
+        deterministic = not train
+        x1_0, x2_0 = self.embed(before), self.embed(after)
+        y1 = y2 = None
+        if with_mlp:
+            y1 = self.mlp(x1_0, deterministic=deterministic)
+            y2 = self.mlp(x2_0, deterministic=deterministic)
+        x1, x2 = x1_0, x2_0
+        for layer in self.transformer:
+            # Simultaneous update: both directions read the previous layer's (x1, x2).
+            x1, x2 = (
+                layer(x1, x2, deterministic=deterministic),
+                layer(x2, x1, deterministic=deterministic),
+            )
+        return EncoderOutput(x1_0 - x1, x2_0 - x2, y1, y2)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder (§4.2)
+# --------------------------------------------------------------------------------------------
+
+
+class CCRLayer(nn.Module):
+    """One post-LN decoder layer (torch ``core.layer.{l}``, class CrossTransformer).
+
+    Returns the layer output and the CCR vectors t (mean of the self-attention sub-layer output
+    over all Lt positions) and v (same mean of the cross-attention sub-layer output).
+    """
+
+    hidden_dim: int
+    num_heads: int
+    ffn_dim: int
+    dropout_rate: float
+    kernel_init: Initializer
+    layer_norm_eps: float = 1e-5
+
+    def setup(self) -> None:
+        attention = lambda: MultiheadAttention(
+            self.hidden_dim,
+            self.num_heads,
+            dropout_rate=self.dropout_rate,
+            out_kernel_init=self.kernel_init,
+        )
+        self.self_att = attention()
+        self.cross_att = attention()
+        self.norm1 = torch_layer_norm(self.layer_norm_eps)
+        self.norm2 = torch_layer_norm(self.layer_norm_eps)
+        self.norm3 = torch_layer_norm(self.layer_norm_eps)
+        self.linear1 = TorchDense(self.ffn_dim, kernel_init=self.kernel_init)
+        self.linear2 = TorchDense(self.hidden_dim, kernel_init=self.kernel_init)
+        # One Dropout module; every call draws a fresh mask.
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def _ffn(self, x: Array, deterministic: bool) -> Array:
+        inner = self.dropout(nn.relu(self.linear1(x)), deterministic=deterministic)
+        out = self.dropout(self.linear2(inner), deterministic=deterministic)
+        return self.norm3(x + out)
+
+    def __call__(
+        self, h: Array, memory: Array, self_mask: Array, *, deterministic: bool = True
+    ) -> tuple[Array, Array, Array]:
+        sa = self.self_att(h, h, mask=self_mask, deterministic=deterministic)
+        o1 = self.norm1(h + self.dropout(sa, deterministic=deterministic))
+        ca = self.cross_att(o1, memory, deterministic=deterministic)
+        o2 = self.norm2(o1 + self.dropout(ca, deterministic=deterministic))
+        # Exposed for tests / analysis when 'intermediates' is mutable; a no-op otherwise.
+        self.sow("intermediates", "self_att_out", o1)
+        self.sow("intermediates", "cross_att_out", o2)
+        # CCR means over ALL Lt positions, pads included (official CCR*.py:88,94; D-Q5).
+        t = jnp.mean(o1, axis=1)
+        v = jnp.mean(o2, axis=1)
+        return self._ffn(o2, deterministic), t, v
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        self.self_att.init_self_cache(memory.shape[0], max_len)
+        self.cross_att.init_cross_cache(memory)
+
+    def step(self, h: Array, index: Array) -> Array:
+        """One position (B, 1, E) at ``index``, attending to the cached prefix; eval mode."""
+        o1 = self.norm1(h + self.self_att.step_self(h, index))
+        o2 = self.norm2(o1 + self.cross_att.step_cross(o1))
+        return self._ffn(o2, True)
+
+
+class CCRDecoder(nn.Module):
+    """§4.2: ``embed_fc`` memory fusion, word embedding + sinusoid PE -> ``fc``, decoder layers,
+    ``logit``. ``variant`` picks CCR_no_init (CLEVR-Change) or CCR (CLEVR-DC)."""
+
+    vocab_size: int
+    max_len: int
+    variant: str = "clevr_change"
+    hidden_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 2
+    word_dim: int = 300
+    ffn_dim: int = 2048
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-5
+
+    def setup(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        dc = self.variant == "clevr_dc"
+        kernel_init = xavier_uniform if dc else torch_default_kernel_init
+        self.embed = nn.Embed(
+            self.vocab_size,
+            self.word_dim,
+            embedding_init=xavier_uniform if dc else normal_zero_pad_init,
+        )
+        # Fixed buffer core.position_enc.pe: a constant, never trained.
+        self.pe = sinusoid_table(self.max_len, self.word_dim)
+        self.fc_0 = TorchDense(self.hidden_dim, kernel_init=kernel_init)
+        self.embed_fc_0 = TorchDense(self.hidden_dim, kernel_init=kernel_init)
+        if dc:
+            self.fc_1 = torch_layer_norm(self.layer_norm_eps)
+            self.embed_fc_1 = torch_layer_norm(self.layer_norm_eps)
+        self.dropout = nn.Dropout(self.dropout_rate)
+        self.layer = [
+            CCRLayer(
+                self.hidden_dim,
+                self.num_heads,
+                self.ffn_dim,
+                self.dropout_rate,
+                kernel_init,
+                self.layer_norm_eps,
+            )
+            for _ in range(self.num_layers)
+        ]
+        self.logit = TorchDense(self.vocab_size, kernel_init=kernel_init)
+
+    @property
+    def _has_layer_norms(self) -> bool:
+        return self.variant == "clevr_dc"
+
+    def memory(self, diff_before: Array, diff_after: Array, *, deterministic: bool = True) -> Array:
+        """``embed_fc``: cat(diff_bef, diff_aft) -> Linear [-> LN] -> Dropout -> ReLU."""
+        x = self.embed_fc_0(jnp.concatenate([diff_before, diff_after], axis=-1))
+        if self._has_layer_norms:
+            x = self.embed_fc_1(x)
+        return nn.relu(self.dropout(x, deterministic=deterministic))
+
+    def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
+        """``fc``(embed(ids) + pe): Linear [-> LN] -> Dropout."""
+        x = self.fc_0(self.embed(ids) + pe)
+        if self._has_layer_norms:
+            x = self.fc_1(x)
+        return self.dropout(x, deterministic=deterministic)
+
+    def __call__(self, memory: Array, ids: Array, *, train: bool) -> tuple[Array, Array, Array]:
+        """Teacher-forced pass: ids (B, Lt) -> logits (B, Lt, V) and the last layer's (t, v)."""
+        deterministic = not train
+        lt = ids.shape[1]
+        if lt > self.max_len:
+            raise ValueError(f"caption length {lt} exceeds max_len {self.max_len} (PE rows)")
+        h = self._words(ids, jnp.asarray(self.pe[:lt])[None], deterministic)
+        self_mask = make_attention_mask(lt, caption_mask(ids), causal=True)
+        t = v = None
+        for layer in self.layer:
+            # Only the last layer's (t, v) enter the CCR loss (§4.2, D-Q6).
+            h, t, v = layer(h, memory, self_mask, deterministic=deterministic)
+        return self.logit(h), t, v
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        if max_len > self.max_len:
+            raise ValueError(f"decode length {max_len} exceeds max_len {self.max_len} (PE rows)")
+        for layer in self.layer:
+            layer.init_cache(memory, max_len)
+
+    def step(self, token: Array, index: Array) -> Array:
+        """token (B,) at position ``index`` -> next-token logits (B, V); eval mode."""
+        pe = jnp.asarray(self.pe)[index][None, None]
+        h = self._words(token[:, None], pe, True)
+        for layer in self.layer:
+            h = layer.step(h, index)
+        return self.logit(h[:, 0])
+
+
+# --------------------------------------------------------------------------------------------
+# Top module
+# --------------------------------------------------------------------------------------------
+
+
+def _check_batch(batch: dict[str, Array], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if key not in batch:
+            raise KeyError(f"DIRLCCR batch is missing {key!r}; it has {sorted(batch)}")
+        want = 2 if key.endswith("caption") else 4
+        shape = batch[key].shape
+        if len(shape) != want:
+            layout = "(B, L) int ids" if want == 2 else "(B, H, W, C) channels-last features"
+            raise ValueError(f"DIRLCCR batch[{key!r}] must be {layout}, got shape {shape}")
+
+
+class DIRLCCR(nn.Module):
+    """DIRL encoder + CCR decoder; every hyperparameter is a field (defaults = the paper).
+
+    The input feature width (1024 + 2 coordinates on CLEVR-Change) and the grid size are read
+    from the batch. ``pairs="both"`` trains on the semantic and the distractor pair
+    (CLEVR-Change); ``"semantic_only"`` on the semantic pair alone (CLEVR-DC).
+    """
+
+    vocab_size: int
+    max_len: int
+    variant: str = "clevr_change"
+    pairs: str = "both"
+    use_coordinates: bool = True
+    hidden_dim: int = 512
+    num_heads: int = 8
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    word_dim: int = 300
+    ffn_dim: int = 2048
+    mlp_hidden_dim: int = 2048
+    dropout_rate: float = 0.1
+    off_diagonal_weight: float = 0.003
+    layer_norm_eps: float = 1e-5
+
+    def setup(self) -> None:
+        if self.pairs not in PAIRS:
+            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        self.encoder = DIRLEncoder(
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            num_layers=self.encoder_layers,
+            mlp_hidden_dim=self.mlp_hidden_dim,
+            dropout_rate=self.dropout_rate,
+            layer_norm_eps=self.layer_norm_eps,
+        )
+        self.decoder = CCRDecoder(
+            vocab_size=self.vocab_size,
+            max_len=self.max_len,
+            variant=self.variant,
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            num_layers=self.decoder_layers,
+            word_dim=self.word_dim,
+            ffn_dim=self.ffn_dim,
+            dropout_rate=self.dropout_rate,
+            layer_norm_eps=self.layer_norm_eps,
+        )
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return ("semantic", "distractor") if self.pairs == "both" else ("semantic",)
+
+    def _features(self, x: Array) -> Array:
+        x = jnp.asarray(x, jnp.float32)
+        # AddSpatialInfo runs on-device, on CLEVR-Change only (§2.3, D-Q9).
+        return add_spatial_coordinates(x) if self.use_coordinates else x
+
+    def __call__(
+        self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
+    ) -> ModelOutput:
+        keys = ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
+        _check_batch(batch, keys)
+        before = self._features(batch["before"])
+        logits, targets, dirl, ccr = {}, {}, [], []
+        for stream in self.streams:
+            after_key, caption_key = STREAMS[stream]
+            ids = jnp.asarray(batch[caption_key], jnp.int32)
+            enc = self.encoder(before, self._features(batch[after_key]), train=train)
+            dirl.append(
+                losses.barlow_correlation_loss(
+                    enc.mlp_before,
+                    enc.mlp_after,
+                    off_diagonal_weight=self.off_diagonal_weight,
+                    axis_name=axis_name,
+                )
+            )
+            memory = self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
+            logits[stream], t, v = self.decoder(memory, ids, train=train)
+            targets[stream] = make_caption_targets(ids)
+            ccr.append(losses.ccr_infonce_loss(t, v, axis_name=axis_name))
+        # Equal-weight mean of the pairs: 0.5/0.5 on CLEVR-Change, the single pair on DC (§4.3).
+        aux = {"dirl": sum(dirl) / len(dirl), "ccr": sum(ccr) / len(ccr)}
+        return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
+
+    # ---- decoding protocol ----------------------------------------------------------------
+
+    def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
+        """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
+        enc = self.encoder(
+            self._features(before), self._features(after), train=train, with_mlp=False
+        )
+        return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
+        (B, max_len, H, E/H) and the cross-attention keys/values of ``memory``."""
+        self.decoder.init_cache(memory, max_len)
+
+    def decode_step(self, token: Array, index: Array) -> Array:
+        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
+        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
+
+    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
+        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
+        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]
