@@ -1,0 +1,18 @@
+"""The models of the trunk, built from their config by name."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from changecap_jax.models.dirl import DIRLCCR
+
+MODELS = {"dirl": DIRLCCR}
+
+
+def build(model_config: ml_collections.ConfigDict, *, vocab_size: int, max_len: int):
+    """Instantiates ``MODELS[model_config.name]`` with the config's other fields."""
+    fields = dict(model_config)
+    name = fields.pop("name")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
+    return MODELS[name](vocab_size=vocab_size, max_len=max_len, **fields)

@@ -1,0 +1,56 @@
+"""Train or evaluate a model: ``python -m changecap_jax.main --config=configs/dirl.py``.
+
+    --config=configs/MODEL.py[:PRESET]   ml_collections config file (override any field with
+                                         --config.FIELD=VALUE, e.g. --config.batch_size=32)
+    --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
+    --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
+                                         score the latest checkpoint on the final splits
+    --multihost                          call jax.distributed.initialize first
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Output directory (default: workdir/<config name>).")
+flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do.")
+flags.DEFINE_integer("checkpoint_step", None, "For --mode=eval: step to restore (latest).")
+flags.DEFINE_bool("multihost", False, "Initialise jax.distributed (multi-host runs).")
+flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port.")
+flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
+flags.DEFINE_integer("process_id", None, "This process's id (with --coordinator_address).")
+flags.DEFINE_string("cpu_collectives", None, "CPU collectives for multi-process CPU runs: gloo.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from changecap_jax import parallel, train
+
+    # orbax logs every checkpoint step at INFO; keep its warnings only.
+    logging.getLogger("absl").addFilter(
+        lambda r: r.levelno >= logging.WARNING or "/orbax/" not in r.pathname)
+    if FLAGS.multihost:
+        parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                        FLAGS.process_id, FLAGS.cpu_collectives)
+    config = FLAGS.config
+    workdir = FLAGS.workdir
+    if workdir is None:
+        name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
+        workdir = os.path.join("workdir", name)
+    logging.info("workdir: %s\nconfig:\n%s", workdir, config)
+    if FLAGS.mode == "train":
+        train.Trainer(config, workdir).train()
+    else:
+        train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)

@@ -1,0 +1,392 @@
+"""The model-agnostic trainer: mesh, input, model, update step, evaluation, checkpoints, loop.
+
+A model is a Flax module (``models.build``) returning a :class:`~models.base.ModelOutput`;
+the loss is the mean of its caption streams' cross-entropies plus each auxiliary loss times
+``config.loss_weights[name]``. Nothing here depends on which model it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.struct
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from changecap_jax import decoding, evaluation, models, parallel
+from changecap_jax.data import datasets, pipeline
+from changecap_jax.losses import caption_cross_entropy
+from changecap_jax.metric_writer import MetricWriter
+
+STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
+    "semantic": ("after_semantic", "change_captions", ""),
+    "distractor": ("after_distractor", "no_change_captions", "_n"),
+}
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimiser
+# ---------------------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> Any:
+    """StepLR stepped once per epoch: lr * factor ** floor(epoch / decay_every_epochs).
+
+    ``count`` is the number of updates already made, so update t+1 (1-based) is in epoch
+    floor(t / steps_per_epoch), as the official loop (reference §7.8).
+    """
+    if not optim.decay_every_epochs:
+        return optax.constant_schedule(optim.learning_rate)
+    return optax.exponential_decay(
+        optim.learning_rate,
+        transition_steps=optim.decay_every_epochs * steps_per_epoch,
+        decay_rate=optim.decay_factor,
+        staircase=True,
+    )
+
+
+def zero_gradient_rows(grads: Any, rows: dict[str, int]) -> Any:
+    """Zeroes given rows of parameters (torch's padding_idx gradient mask, reference §1.2)."""
+    if not rows:
+        return grads
+    flat = flax.traverse_util.flatten_dict(grads, sep="/")
+    for path, row in rows.items():
+        if path not in flat:
+            raise KeyError(f"optim.zero_grad_rows names {path!r}, which is not a parameter; "
+                           f"parameters: {sorted(flat)[:20]}...")
+        flat[path] = flat[path].at[row].set(0.0)
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def make_optimizer(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> Any:
+    schedule = learning_rate_schedule(optim, steps_per_epoch)
+    chain = []
+    if optim.grad_clip_norm:
+        chain.append(optax.clip_by_global_norm(optim.grad_clip_norm))
+    chain.append(optax.adam(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps))
+    return optax.chain(*chain), schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss and update step
+# ---------------------------------------------------------------------------------------------
+
+
+def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any) -> Any:
+    """(params, batch, rng) -> (total loss, metrics), formed over the GLOBAL batch.
+
+    The model runs inside ``shard_map`` on each device's share; its batch-wide losses gather
+    what they need over the ``data`` axis, and the caption cross-entropy divides by the global
+    count of real tokens, so the result equals a single-device computation.
+    """
+    axis = parallel.DATA_AXIS
+
+    def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        # Each device draws its own dropout masks.
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        out = model.apply({"params": params}, batch, train=True, axis_name=axis,
+                          rngs={"dropout": rng})
+        unknown = set(out.aux_losses) ^ set(loss_weights)
+        if unknown:
+            raise ValueError(
+                f"config.loss_weights {sorted(loss_weights)} must name exactly the model's "
+                f"auxiliary losses {sorted(out.aux_losses)}"
+            )
+        ce = {s: caption_cross_entropy(out.caption_logits[s], out.caption_targets[s],
+                                       axis_name=axis) for s in out.caption_logits}
+        caption = sum(ce.values()) / len(ce)
+        total = caption + sum(loss_weights[k] * v for k, v in out.aux_losses.items())
+        metrics = {"loss": total, "loss/caption": caption,
+                   **{f"loss/caption_{s}": v for s, v in ce.items()},
+                   **{f"loss/{k}": v for k, v in out.aux_losses.items()}}
+        return total, metrics
+
+    sharded = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(), P(axis), P()), out_specs=(P(), P()),
+        check_vma=False,
+    )
+    return sharded
+
+
+def make_train_step(
+    model: Any, optimizer: Any, loss_weights: dict[str, float], mesh: Any,
+    zero_grad_rows: dict[str, int], schedule: Any,
+) -> Any:
+    loss_fn = make_loss_fn(model, loss_weights, mesh)
+
+    def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
+        step_rng = jax.random.fold_in(rng, state.step)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, batch, step_rng)
+        grads = zero_gradient_rows(grads, zero_grad_rows)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["learning_rate"] = schedule(state.step)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+    return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data, repl),
+                   out_shardings=(repl, repl))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Owns the dataset, model, state, checkpoints and writers of one workdir."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                 mesh: Any | None = None):
+        self.config = config
+        self.workdir = Path(workdir)
+        self.mesh = mesh if mesh is not None else parallel.make_mesh()
+        parallel.check_global_batch(config.batch_size, self.mesh)
+        parallel.check_global_batch(config.eval_batch_size, self.mesh)
+        self.is_main = jax.process_index() == 0
+
+        ds = config.dataset
+        self.dataset = datasets.prepare(
+            ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
+            build_if_missing=ds.build_if_missing)
+        self.max_len = config.decode.max_len or self.dataset.meta.max_caption_len
+        self.model = models.build(config.model, vocab_size=len(self.dataset.vocab),
+                                  max_len=self.max_len)
+        num_train = self.dataset.meta.split_sizes.get("train") or len(self.dataset.split("train"))
+        self.steps_per_epoch = math.ceil(num_train / config.batch_size)
+        self.optimizer, self.schedule = make_optimizer(config.optim, self.steps_per_epoch)
+        self.rng = jax.random.PRNGKey(config.seed)
+        self.train_step = make_train_step(
+            self.model, self.optimizer, dict(config.loss_weights), self.mesh,
+            dict(config.optim.zero_grad_rows), self.schedule)
+        self.data_sharding = parallel.batch_sharding(self.mesh)
+        self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
+
+    # -- state --------------------------------------------------------------------------------
+
+    def init_state(self) -> TrainState:
+        """Fresh parameters and optimiser state, replicated over the mesh.
+
+        Only the shapes of a batch matter, so the example batch is made of zeros inside the
+        jitted function (this also works when the mesh spans several processes).
+        """
+        source = self.dataset.split("train")
+        example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0)))
+        shapes = {k: (v.shape, v.dtype) for k, v in pipeline.device_fields(example).items()}
+        init_rng = jax.random.fold_in(self.rng, 0x1A17)
+
+        @functools.partial(jax.jit, out_shardings=parallel.replicated(self.mesh))
+        def init() -> TrainState:
+            batch = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
+            params = self.model.init({"params": init_rng}, batch, train=False)["params"]
+            return TrainState(step=jnp.int32(0), params=params,
+                              opt_state=self.optimizer.init(params))
+
+        return init()
+
+    def train_loader(self) -> grain.DataLoader:
+        return pipeline.train_loader(
+            self.dataset.split("train"), global_batch_size=self.config.batch_size,
+            seed=self.config.seed, process_index=jax.process_index(),
+            process_count=jax.process_count(), swap_prob=self.config.swap_prob)
+
+    def checkpoint_manager(self) -> ocp.CheckpointManager:
+        from orbax.checkpoint import checkpoint_managers as cm
+
+        policy = cm.AnyPreservationPolicy([
+            cm.LatestN(self.config.keep_checkpoints),
+            cm.BestN(get_metric_fn=lambda m: m["val_CIDEr"], reverse=False, n=1,
+                     keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, enable_async_checkpointing=False, create=True)
+        return ocp.CheckpointManager(
+            (self.workdir / "checkpoints").absolute(), options=options,
+            item_names=("state", "data"))
+
+    def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
+                step: int | None = None) -> TrainState:
+        step = manager.latest_step() if step is None else step
+        args = {"state": ocp.args.StandardRestore(state)}
+        if iterator is not None:
+            args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        logging.info("restored checkpoint of step %d from %s", step, manager.directory)
+        return restored["state"]
+
+    # -- training loop ------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        config = self.config
+        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main)
+        manager = self.checkpoint_manager()
+        state = self.init_state()
+        iterator = iter(self.train_loader())
+        if manager.latest_step() is not None:
+            state = self.restore(manager, state, iterator)
+        start = int(state.step)
+        if self.is_main:
+            n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+            logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
+                         config.model.name, n_params, self.steps_per_epoch, start)
+        bar = tqdm(total=config.num_train_steps, initial=start, disable=not self.is_main,
+                   desc="train", dynamic_ncols=True)
+        last_eval: dict[str, Any] = {}
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(start + 1, config.num_train_steps + 1):
+            batch = pipeline.to_global(next(iterator), self.data_sharding)
+            state, metrics = self.train_step(state, batch, self.rng)
+            window_steps += 1
+            bar.update(1)
+            if step % config.log_every_steps == 0 or step == config.num_train_steps:
+                metrics = jax.device_get(metrics)
+                if not np.isfinite(metrics["loss"]):
+                    raise NonFiniteLossError(f"non-finite loss {metrics['loss']} at step {step}")
+                elapsed = time.perf_counter() - window_start
+                metrics["examples_per_second"] = window_steps * config.batch_size / elapsed
+                writer.write_scalars(step, metrics)
+                self.history.append((step, {k: float(v) for k, v in metrics.items()}))
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                window_start, window_steps = time.perf_counter(), 0
+            do_eval = step % config.eval_every_steps == 0 or step == config.num_train_steps
+            do_save = do_eval or step % config.checkpoint_every_steps == 0
+            if do_eval:
+                splits = (config.final_eval_splits if step == config.num_train_steps
+                          else config.eval_splits)
+                last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
+            if do_save:
+                saved_metrics = ({"val_CIDEr": last_eval["val"]["CIDEr"]}
+                                 if do_eval and "val" in last_eval else None)
+                manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=grain.checkpoint.CheckpointSave(iterator)), metrics=saved_metrics)
+        bar.close()
+        manager.wait_until_finished()
+        writer.close()
+        return last_eval
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
+                  key: jax.Array) -> jax.Array:
+        variables = {"params": params}
+        if self.config.decode.sample:
+            return decoding.sample_decode(self.model, variables, before, after, key,
+                                          max_len=self.max_len).ids
+        return decoding.greedy_decode(self.model, variables, before, after,
+                                      max_len=self.max_len).ids
+
+    def evaluate(self, state: TrainState, split: str, step: int,
+                 writer: MetricWriter | None = None) -> dict[str, Any]:
+        """Decodes a split, scores it (process 0) and writes captions/ and metrics/ files."""
+        config = self.config
+        source = self.dataset.split(split)
+        meta = self.dataset.meta
+        process_count, process_index = jax.process_count(), jax.process_index()
+        G = config.eval_batch_size
+        local = G // process_count
+        records: list[evaluation.PairCaption] = []
+        key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), step)
+        streams = [s for s in STREAM_INPUTS if s in self.model_streams()]
+        batches = pipeline.eval_batches(source, global_batch_size=G,
+                                        process_index=process_index,
+                                        process_count=process_count)
+        total = pipeline.num_eval_batches(len(source), G)
+        for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
+                                       disable=not self.is_main, dynamic_ncols=True)):
+            arrays = pipeline.to_global(batch, self.data_sharding)
+            decoded = {}
+            for s in streams:
+                after_key = STREAM_INPUTS[s][0]
+                ids = self.decode_fn(state.params, arrays["before"], arrays[after_key],
+                                     jax.random.fold_in(key, k))
+                decoded[s] = _to_host(ids)
+            mask = _to_host(arrays["mask"])
+            if not self.is_main:
+                continue
+            for j in np.flatnonzero(mask):
+                index = k * G + j
+                record = (_host_record(batch, j) if j // local == process_index
+                          else source[index])
+                for s in streams:
+                    _, ref_key, suffix = STREAM_INPUTS[s]
+                    ct = int(record["change_type"])
+                    change_type = ("no_change" if s == "distractor"
+                                   else (meta.change_types[ct] if ct >= 0 else ""))
+                    records.append(evaluation.PairCaption(
+                        image_id=_text(record["image_id"]) + suffix,
+                        caption=self.dataset.vocab.decode(decoded[s][j]),
+                        references=[_text(c) for c in record[ref_key]],
+                        change_type=change_type))
+        if not self.is_main:
+            return {}
+        metrics = evaluation.evaluate_pairs(records, spice=config.spice)
+        evaluation.write_results(self.workdir, split, step, records, metrics)
+        logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
+        for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:
+            logging.info("  %s: %r | refs %r", r.image_id, r.caption, r.references[:2])
+        if writer is not None:
+            writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
+                                        if isinstance(v, float)})
+        return metrics
+
+    def model_streams(self) -> tuple[str, ...]:
+        return tuple(getattr(self.model, "streams", ("semantic",)))
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A global array on every process -> this process's full numpy copy."""
+    if jax.process_count() > 1:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _host_record(batch: dict, j: int) -> dict:
+    local = len(batch["mask"])
+    return {k: v[j % local] for k, v in batch.items()}
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                        step: int | None = None) -> dict[str, Any]:
+    """``--mode=eval``: restores a checkpoint (latest by default) and scores the final splits."""
+    trainer = Trainer(config, workdir)
+    manager = trainer.checkpoint_manager()
+    if manager.latest_step() is None:
+        raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+    state = trainer.restore(manager, trainer.init_state(), step=step)
+    results = {s: trainer.evaluate(state, s, int(state.step)) for s in config.final_eval_splits}
+    if trainer.is_main:
+        logging.info("eval results: %s", json.dumps(
+            {s: {k: v for k, v in m.items() if isinstance(v, float)} for s, m in results.items()}))
+    return results

@@ -1,0 +1,55 @@
+"""Config pieces shared by every model config (dataset presets, trainer fields)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
+    """The built-in synthetic change dataset; built on first use."""
+    return ml_collections.ConfigDict({
+        "name": "synthetic",
+        "data_dir": "",  # '' = $CHANGECAP_DATA_DIR or the user cache folder
+        "variant": variant,  # moderate | extreme distractors
+        "build_if_missing": True,
+        "options": {
+            "seed": 0,
+            "num_train": 3000,
+            "num_val": 300,
+            "num_test": 600,
+            "feature_shape": (8, 8, 64),
+        },
+    })
+
+
+def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Fields every model shares; a model config sets the values that differ."""
+    config.seed = 1111
+    config.batch_size = 128  # global: examples per step (each gives its pairs)
+    config.eval_batch_size = 128
+    config.num_train_steps = 10_000
+    config.log_every_steps = 50
+    config.eval_every_steps = 1000
+    config.checkpoint_every_steps = 1000
+    config.keep_checkpoints = 3
+    config.eval_splits = ("val",)
+    config.final_eval_splits = ("val", "test")
+    config.num_logged_examples = 4  # generated captions printed beside references at each eval
+    config.swap_prob = 0.5  # official before/distractor swap augmentation
+    config.optim = ml_collections.ConfigDict({
+        "learning_rate": 2e-4,
+        "b1": 0.9,
+        "b2": 0.999,
+        "eps": 1e-8,
+        "decay_factor": 0.1,
+        "decay_every_epochs": 15,  # StepLR(step_size=15) stepped once per epoch
+        "grad_clip_norm": 0.0,  # 0 = no clipping (the official yaml's grad_clip -1)
+        # Rows of embedding tables whose gradient is zeroed (torch padding_idx=0).
+        "zero_grad_rows": {},
+    })
+    config.decode = ml_collections.ConfigDict({
+        "sample": False,  # greedy (test-time protocol); True = multinomial sampling
+        "max_len": 0,  # 0 = the dataset's maximum caption length
+    })
+    config.spice = "auto"
+    return config

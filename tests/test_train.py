@@ -1,0 +1,164 @@
+"""Trainer: N devices equal one, multi-host equals single-host, exact resume, schedule."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from train_helpers import SMALL, tiny_config
+
+from changecap_jax import parallel, train
+from changecap_jax.data import datasets, pipeline
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_data")
+    datasets.prepare("synthetic", root, "moderate", SMALL)
+    return str(root)
+
+
+def _one_step(config, workdir, num_devices, batch):
+    trainer = train.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
+    state = trainer.init_state()
+    arrays = pipeline.to_global(batch, trainer.data_sharding)
+    loss_fn = train.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
+    grads = jax.jit(jax.grad(loss_fn, has_aux=True))(state.params, arrays, trainer.rng)[0]
+    state, metrics = trainer.train_step(state, arrays, trainer.rng)
+    return jax.device_get((state.params, grads, metrics))
+
+
+def test_eight_devices_equal_one(data_dir, tmp_path):
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    # Dropout off: per-device dropout masks cannot equal one device's (distributionally equal).
+    config = tiny_config(data_dir, **{"batch_size": 16})
+    config.model.dropout_rate = 0.0
+    loader = train.Trainer(config, tmp_path / "x", mesh=parallel.make_mesh(1)).train_loader()
+    batch = next(iter(loader))
+    params1, grads1, metrics1 = _one_step(config, tmp_path / "a", 1, batch)
+    params8, grads8, metrics8 = _one_step(config, tmp_path / "b", 8, batch)
+    assert set(metrics1) >= {"loss", "loss/caption", "loss/dirl", "loss/ccr"}
+    for key in metrics1:
+        np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, err_msg=key)
+    leaves = lambda t: jax.tree_util.tree_leaves_with_path(t)  # noqa: E731
+    largest = max(np.abs(g).max() for g in jax.tree_util.tree_leaves(grads1))
+    for (path, g1), g8, p1, p8 in zip(leaves(grads1), jax.tree_util.tree_leaves(grads8),
+                                      jax.tree_util.tree_leaves(params1),
+                                      jax.tree_util.tree_leaves(params8), strict=True):
+        name = jax.tree_util.keystr(path)
+        # Relative to the tensor's largest gradient; a tensor whose gradient is float noise
+        # (below 1e-2 of the model's largest) is held to that floor instead.
+        scale = max(np.abs(g1).max(), 1e-2 * largest)
+        np.testing.assert_allclose(g8, g1, atol=1e-5 * scale, err_msg=name)
+        # Adam's first step maps every gradient to about +-lr, float noise included: entries
+        # whose gradient is analytically zero (an attention key bias under softmax) are noise
+        # whose sign depends on the reduction order, so only real gradients are compared.
+        real = np.abs(g1) > 1e-7
+        np.testing.assert_allclose(p8[real], p1[real], atol=1e-5, err_msg=name)
+
+
+def test_update_changes_params_and_masks_padding_row(data_dir, tmp_path):
+    config = tiny_config(data_dir)
+    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    state = trainer.init_state()
+    before = jax.device_get(state.params)
+    batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
+    state, _ = trainer.train_step(state, batch, trainer.rng)
+    after = jax.device_get(state.params)
+    emb0, emb1 = (p["decoder"]["embed"]["embedding"] for p in (before, after))
+    np.testing.assert_array_equal(emb1[0], emb0[0])  # padding row: zero gradient
+    assert np.abs(emb1[2] - emb0[2]).max() > 0  # <START> row is trained
+    assert int(state.step) == 1
+
+
+def test_resume_continues_exactly(data_dir, tmp_path):
+    full = train.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full")
+    full.train()
+    first = train.Trainer(tiny_config(data_dir, num_train_steps=3), tmp_path / "resumed")
+    first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
+    second = train.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "resumed")
+    second.train()
+    assert [s for s, _ in second.history] == [4, 5, 6]
+    for (step, resumed), (_, uninterrupted) in zip(second.history, full.history[3:], strict=True):
+        assert resumed["loss"] == uninterrupted["loss"], step
+        assert resumed["loss/dirl"] == uninterrupted["loss/dirl"], step
+
+
+def test_learning_rate_steps_per_epoch():
+    import ml_collections
+    optim = ml_collections.ConfigDict(dict(learning_rate=2e-4, decay_factor=0.1,
+                                           decay_every_epochs=15))
+    schedule = train.learning_rate_schedule(optim, steps_per_epoch=265)
+    # Updates 1..3975 at 2e-4, 3976..7950 at 2e-5 (reference §3.8); count = updates made.
+    assert schedule(0) == pytest.approx(2e-4) and schedule(3974) == pytest.approx(2e-4)
+    assert schedule(3975) == pytest.approx(2e-5) and schedule(7949) == pytest.approx(2e-5)
+    assert schedule(7950) == pytest.approx(2e-6)
+
+
+def test_adam_matches_torch_formula():
+    # One optax Adam step equals torch's m_hat / (sqrt(v_hat) + eps) (reference §1.2).
+    opt = optax.adam(2e-4, b1=0.9, b2=0.999, eps=1e-8)
+    p = np.array([1.0, -2.0], np.float32); g = np.array([0.5, -3e-6], np.float32)  # noqa: E702
+    updates, _ = opt.update(g, opt.init(p), p)
+    m_hat = (1 - 0.9) * g / (1 - 0.9)
+    v_hat = (1 - 0.999) * g.astype(np.float64) ** 2 / (1 - 0.999)
+    expected = -2e-4 * m_hat / (np.sqrt(v_hat) + 1e-8)
+    np.testing.assert_allclose(updates, expected, rtol=1e-5)  # float32 arithmetic
+    assert abs(updates[1]) < 2e-4 * 0.999  # eps matters for a tiny gradient
+
+
+def test_loss_weights_must_match_aux_losses(data_dir, tmp_path):
+    config = tiny_config(data_dir)
+    config.loss_weights = {"dirl": 0.5}
+    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    state = trainer.init_state()
+    batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
+    with pytest.raises(ValueError, match="must name exactly the model's auxiliary losses"):
+        trainer.train_step(state, batch, trainer.rng)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process(data_dir, tmp_path):
+    """2 processes x 2 CPU devices (gloo) == 1 process x 4 devices on the same global batches."""
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    helper = Path(__file__).with_name("train_helpers.py")
+    procs = [subprocess.Popen(
+        [sys.executable, str(helper), str(i), str(port), data_dir, str(tmp_path / "mh")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1]) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    line = next(x for x in outs[0][0].splitlines() if x.startswith("LOSSES "))
+    multihost = json.loads(line[len("LOSSES "):])
+
+    # The same global batches in one process: process shares concatenated in process order.
+    config = tiny_config(data_dir, batch_size=8)
+    trainer = train.Trainer(config, tmp_path / "single", mesh=parallel.make_mesh(4))
+    shares = [iter(pipeline.train_loader(trainer.dataset.split("train"), global_batch_size=8,
+                                         seed=config.seed, process_index=p, process_count=2))
+              for p in range(2)]
+    state = trainer.init_state()
+    for step, metrics in multihost:
+        local = [next(s) for s in shares]
+        batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
+        state, single = trainer.train_step(
+            state, pipeline.to_global(batch, trainer.data_sharding), trainer.rng)
+        single = jax.device_get(single)
+        for key in ("loss", "loss/caption", "loss/dirl", "loss/ccr"):
+            np.testing.assert_allclose(metrics[key], single[key], rtol=1e-5,
+                                       err_msg=f"step {step} {key}")
+    assert [s for s, _ in multihost] == [1, 2, 3]
