@@ -10,8 +10,11 @@ of an H x W grid over the image. What it computes, per image:
    (3: highlights) and the mean absolute horizontal + vertical gradient (1: edges).
 3. Centre them by fixed constants and project with a fixed random Gaussian matrix
    (seed ``PROJECTION_SEED``, shape 55 x C/2, entries N(0, 1/55)): y = s @ M.
-4. Output concat(relu(y), relu(-y)): C non-negative channels (like a post-ReLU CNN grid), and
-   no information is lost while C/2 >= 55.
+4. Output ``GAIN`` * concat(relu(y), relu(-y)): C non-negative channels (like a post-ReLU CNN
+   grid), and no information is lost while C/2 >= 55. ``GAIN`` = 12 brings typical synthetic
+   scenes to about unit RMS per channel, the scale of CNN activations; without it the image
+   content was ~15x weaker than the coordinate channels a model appends, and the DIRL decoder
+   learned to switch its visual memory off before it could use it.
 
 The projection depends only on C, never on the dataset seed, so every dataset (and ``predict``
 on a user's images later) shares the same extractor for a given feature shape.
@@ -26,6 +29,7 @@ PATCH = 16
 SUB = 4  # sub-cells per patch side
 PROJECTION_SEED = 20240601
 NUM_STATS = SUB * SUB * 3 + 3 + 3 + 1
+GAIN = 12.0
 
 
 def _projection(channels: int) -> np.ndarray:
@@ -63,5 +67,5 @@ def extract(images: np.ndarray, feature_shape: tuple[int, int, int]) -> np.ndarr
     proj = _projection(channels)
     stats = np.stack([patch_statistics(im, (gh, gw)) for im in images])
     y = stats @ proj
-    feats = np.concatenate([np.maximum(y, 0.0), np.maximum(-y, 0.0)], axis=-1)
+    feats = GAIN * np.concatenate([np.maximum(y, 0.0), np.maximum(-y, 0.0)], axis=-1)
     return feats.astype(np.float16)

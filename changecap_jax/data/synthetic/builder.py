@@ -169,7 +169,11 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
 class SyntheticChange(schema.RecordBuilder):
     """CLEVR-Change-like synthetic pairs: semantic changes among viewpoint/light distractors."""
 
-    VERSION = tfds.core.Version("1.0.0")
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "First release.",
+        "1.1.0": "Grid features scaled to about unit RMS (grid_features.GAIN).",
+    }
     # Render processes; None: one per core (at most 8); 0: render in this process (debugging).
     num_workers: int | None = None
     BUILDER_CONFIGS = [make_config("moderate"), make_config("extreme")]

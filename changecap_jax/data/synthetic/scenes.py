@@ -138,6 +138,13 @@ DISTRACTORS = {
         max_yaw=30.0, max_shift=0.9, zoom_range=(0.78, 1.22), max_azimuth=90.0,
         brightness_range=(0.6, 1.4), max_tint=0.15, ambient_range=(0.3, 0.6),
     ),
+    # Diagnostic only: the after views keep the before camera and light, so the sole
+    # difference is the semantic change (separates "cannot see changes" from "cannot
+    # discount distractors" when a model fails to learn).
+    "none": DistractorStrength(
+        max_yaw=0.0, max_shift=0.0, zoom_range=(1.0, 1.0), max_azimuth=0.0,
+        brightness_range=(1.0, 1.0), max_tint=0.0, ambient_range=(0.45, 0.45),
+    ),
 }
 
 
