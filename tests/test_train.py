@@ -52,14 +52,16 @@ def test_eight_devices_equal_one(data_dir, tmp_path):
                                       jax.tree_util.tree_leaves(params1),
                                       jax.tree_util.tree_leaves(params8), strict=True):
         name = jax.tree_util.keystr(path)
-        # Relative to the tensor's largest gradient; a tensor whose gradient is float noise
-        # (below 1e-2 of the model's largest) is held to that floor instead.
-        scale = max(np.abs(g1).max(), 1e-2 * largest)
-        np.testing.assert_allclose(g8, g1, atol=1e-5 * scale, err_msg=name)
-        # Adam's first step maps every gradient to about +-lr, float noise included: entries
-        # whose gradient is analytically zero (an attention key bias under softmax) are noise
-        # whose sign depends on the reduction order, so only real gradients are compared.
-        real = np.abs(g1) > 1e-7
+        tensor_max = np.abs(g1).max()
+        if tensor_max < 1e-6 * largest:
+            # Analytically zero gradient (a bias before a z-score, an attention key bias
+            # under softmax): both runs must agree that it is float noise.
+            assert np.abs(g8).max() < 1e-6 * largest, name
+            continue
+        np.testing.assert_allclose(g8, g1, atol=1e-5 * tensor_max, err_msg=name)
+        # Adam's first step maps every gradient to about +-lr, float noise included, so the
+        # updated parameters are compared where the gradient is real.
+        real = np.abs(g1) > 1e-5 * largest
         np.testing.assert_allclose(p8[real], p1[real], atol=1e-5, err_msg=name)
 
 
