@@ -30,7 +30,6 @@ Public API:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -50,6 +49,8 @@ from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.spice import get_stanford_models as _spice_models
 from pycocoevalcap.spice import spice as _spice_module
 from pycocoevalcap.tokenizer import ptbtokenizer as _ptb
+
+from changecap_jax.jsonio import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -584,24 +585,6 @@ def format_table(metrics: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temp file in the same directory + ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.remove(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 _CAPTION_FIELDS = ("image_id", "caption", "references", "change_type")
 
 
@@ -651,8 +634,8 @@ def write_results(
     name = f"{split}_{step}.json"
     captions_path = root / "captions" / name
     metrics_path = root / "metrics" / name
-    _atomic_write_json(captions_path, entries)
-    _atomic_write_json(metrics_path, metrics)
+    write_json_atomic(captions_path, entries)
+    write_json_atomic(metrics_path, metrics)
     return captions_path, metrics_path
 
 

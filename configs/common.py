@@ -22,6 +22,12 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
     })
 
 
+def prebuilt_dataset(name: str) -> ml_collections.ConfigDict:
+    """A real dataset, built beforehand with ``python -m data_prep.build NAME``."""
+    return ml_collections.ConfigDict({
+        "name": name, "data_dir": "", "variant": "", "build_if_missing": False, "options": {}})
+
+
 def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Fields every model shares; a model config sets the values that differ."""
     config.seed = 1111

@@ -56,16 +56,12 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
         config.optim.decay_every_epochs = 0  # 0 = constant learning rate
         config.loss_weights = {"dirl": 0.5, "ccr": 0.3}
     elif preset == "clevr_change":
-        config.dataset = ml_collections.ConfigDict({
-            "name": "clevr_change", "data_dir": "", "variant": "", "build_if_missing": False,
-            "options": {}})
+        config.dataset = common.prebuilt_dataset("clevr_change")
         config.model = _paper_model("clevr_change")
         config.num_train_steps = 15_000
         config.loss_weights = {"dirl": 0.5, "ccr": 0.3}
     elif preset == "clevr_dc":
-        config.dataset = ml_collections.ConfigDict({
-            "name": "clevr_dc", "data_dir": "", "variant": "", "build_if_missing": False,
-            "options": {}})
+        config.dataset = common.prebuilt_dataset("clevr_dc")
         config.model = _paper_model("clevr_dc")
         config.num_train_steps = 13_000
         config.loss_weights = {"dirl": 0.03, "ccr": 0.05}

@@ -21,6 +21,7 @@ from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 from changecap_jax import evaluation as ev
+from changecap_jax import jsonio
 from changecap_jax.evaluation import PairCaption
 
 SCORED_KEYS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
@@ -445,7 +446,7 @@ def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
         fh.write('[{"image_id": "000001.png", "cap')  # half a document, then a crash
         raise OSError("disk full")
 
-    monkeypatch.setattr(ev.json, "dump", partial_dump)
+    monkeypatch.setattr(jsonio.json, "dump", partial_dump)
     with pytest.raises(OSError, match="disk full"):
         ev.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 1.0})
     assert not (tmp_path / "captions" / "test_5.json").exists()
@@ -453,14 +454,14 @@ def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
     assert not (tmp_path / "metrics" / "test_5.json").exists()
 
     # A failing rename keeps an earlier complete file intact.
-    monkeypatch.setattr(ev.json, "dump", real_dump)
+    monkeypatch.setattr(jsonio.json, "dump", real_dump)
     cap_path, _ = ev.write_results(tmp_path, "test", 5, RECORDS[:1], {"CIDEr": 1.0})
     before = cap_path.read_text()
 
     def failing_replace(src, dst):
         raise OSError("rename failed")
 
-    monkeypatch.setattr(ev.os, "replace", failing_replace)
+    monkeypatch.setattr(jsonio.os, "replace", failing_replace)
     with pytest.raises(OSError, match="rename failed"):
         ev.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 2.0})
     assert cap_path.read_text() == before

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from changecap_jax.data.vocab import CaptionError
+from changecap_jax.jsonio import read_json, write_json_atomic
 
 VOCAB_FILE = "vocab.json"
 META_FILE = "meta.json"
@@ -85,20 +86,14 @@ class DatasetMeta:
     split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, dataclasses.asdict(self), indent=1)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DatasetMeta:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"dataset metadata {path} does not exist")
+        data = read_json(path, "dataset metadata")
         try:
-            data = json.loads(path.read_text())
             meta = cls(**data)
-        except (json.JSONDecodeError, TypeError) as e:
+        except TypeError as e:
             raise ValueError(f"dataset metadata {path} is malformed: {e}") from e
         meta.feature_shape = tuple(meta.feature_shape)
         if meta.image_size is not None:

@@ -12,13 +12,13 @@ the official ``word -> id`` JSON dict.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import numpy as np
+
+from changecap_jax.jsonio import read_json, write_json_atomic
 
 NULL, UNK, START, END = "<NULL>", "<UNK>", "<START>", "<END>"
 SPECIAL_TOKENS = (NULL, UNK, START, END)
@@ -145,20 +145,11 @@ class Vocabulary:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the official word -> id JSON atomically."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.word_to_id))
-        os.replace(tmp, path)
+        write_json_atomic(path, self.word_to_id)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocabulary:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"vocabulary file {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"vocabulary file {path} is not valid JSON: {e}") from e
+        data = read_json(path, "vocabulary file")
         if not isinstance(data, dict):
             raise ValueError(f"vocabulary file {path} must hold a word -> id object")
         try:
