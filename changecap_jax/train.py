@@ -156,6 +156,32 @@ def make_train_step(
 
 
 # ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def make_checkpoint_manager(directory: str | os.PathLike, keep: int) -> ocp.CheckpointManager:
+    """orbax manager of (train state, data iterator state) items.
+
+    Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
+    every save is atomic (written to a temporary directory, renamed when complete) and
+    multi-host safe.
+    """
+    from orbax.checkpoint import checkpoint_managers as cm
+
+    policy = cm.AnyPreservationPolicy([
+        cm.LatestN(keep),
+        # Ascending sort, the last n kept: the highest CIDEr survives.
+        cm.BestN(get_metric_fn=lambda m: m["val_CIDEr"], reverse=False, n=1,
+                 keep_checkpoints_without_metrics=False),
+    ])
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policy, enable_async_checkpointing=False, create=True)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options,
+                                 item_names=("state", "data"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -218,18 +244,7 @@ class Trainer:
             process_count=jax.process_count(), swap_prob=self.config.swap_prob)
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
-        from orbax.checkpoint import checkpoint_managers as cm
-
-        policy = cm.AnyPreservationPolicy([
-            cm.LatestN(self.config.keep_checkpoints),
-            cm.BestN(get_metric_fn=lambda m: m["val_CIDEr"], reverse=False, n=1,
-                     keep_checkpoints_without_metrics=False),
-        ])
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, enable_async_checkpointing=False, create=True)
-        return ocp.CheckpointManager(
-            (self.workdir / "checkpoints").absolute(), options=options,
-            item_names=("state", "data"))
+        return make_checkpoint_manager(self.workdir / "checkpoints", self.config.keep_checkpoints)
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
                 step: int | None = None) -> TrainState:

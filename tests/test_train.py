@@ -164,3 +164,30 @@ def test_two_processes_equal_one_process(data_dir, tmp_path):
             np.testing.assert_allclose(metrics[key], single[key], rtol=1e-5,
                                        err_msg=f"step {step} {key}")
     assert [s for s, _ in multihost] == [1, 2, 3]
+    # Process 0 scored every val pair, its own share and process 1's (12 examples x 2 pairs).
+    captions = json.loads((tmp_path / "mh" / "captions" / "val_3.json").read_text())
+    assert len(captions) == 24
+    assert len({c["image_id"] for c in captions}) == 24
+    metrics = json.loads((tmp_path / "mh" / "metrics" / "val_3.json").read_text())
+    assert metrics["num_pairs"] == 24
+
+
+def test_checkpoints_keep_latest_and_best(tmp_path):
+    import grain
+    import orbax.checkpoint as ocp
+
+    manager = train.make_checkpoint_manager(tmp_path / "ckpt", keep=1)
+    loader = grain.DataLoader(
+        data_source=list(range(10)), sampler=grain.samplers.IndexSampler(
+            num_records=10, shuffle=True, seed=0, num_epochs=None))
+    iterator = iter(loader)
+    for step, cider in [(1, 50.0), (2, 70.0), (3, 60.0), (4, 10.0)]:
+        next(iterator)
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"w": np.full((2,), step, np.float32)}),
+            data=grain.checkpoint.CheckpointSave(iterator)), metrics={"val_CIDEr": cider})
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 4]  # best by val CIDEr, and the latest
+    restored = manager.restore(2, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"w": np.zeros((2,), np.float32)})))
+    np.testing.assert_array_equal(restored["state"]["w"], [2.0, 2.0])

@@ -38,7 +38,8 @@ def multihost_worker(process_id: int, port: int, data_dir: str, workdir: str) ->
 
     parallel.initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")
     assert jax.device_count() == 4 and jax.local_device_count() == 2
-    config = tiny_config(data_dir, batch_size=8)
+    # The final evaluation exercises the cross-process gather of decoded captions.
+    config = tiny_config(data_dir, batch_size=8, final_eval_splits=("val",))
     trainer = train.Trainer(config, workdir)
     trainer.train()
     if process_id == 0:
