@@ -60,13 +60,13 @@ def run(config, steps: int, decode_batches: int) -> dict[str, float]:
     iterator = iter(trainer.train_loader())
     batches = [pipeline.to_global(next(iterator), trainer.data_sharding) for _ in range(3)]
     t0 = time.perf_counter()
-    state, metrics = trainer.train_step(state, batches[0], trainer.rng)
+    state, metrics = trainer.train_step(state, batches[0])
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - t0
     times = []
     for k in range(steps):
         t = time.perf_counter()
-        state, metrics = trainer.train_step(state, batches[k % len(batches)], trainer.rng)
+        state, metrics = trainer.train_step(state, batches[k % len(batches)])
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
     step_s = statistics.median(times)

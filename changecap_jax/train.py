@@ -45,9 +45,16 @@ class NonFiniteLossError(FloatingPointError):
 
 @flax.struct.dataclass
 class TrainState:
+    """Everything a step changes; checkpointed with the data iterator's state.
+
+    ``rng`` is the run's base key (raw uint32): step t draws its dropout keys from
+    ``fold_in(rng, t)``, so a resumed run repeats an uninterrupted run's keys exactly.
+    """
+
     step: jax.Array
     params: Any
     opt_state: Any
+    rng: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,18 +147,20 @@ def make_train_step(
 ) -> Any:
     loss_fn = make_loss_fn(model, loss_weights, mesh)
 
-    def train_step(state: TrainState, batch: dict, rng: jax.Array) -> tuple[TrainState, dict]:
-        step_rng = jax.random.fold_in(rng, state.step)
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        step_rng = jax.random.fold_in(state.rng, state.step)
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, batch, step_rng)
         grads = zero_gradient_rows(grads, zero_grad_rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics["learning_rate"] = schedule(state.step)
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                               rng=state.rng)
+        return new_state, metrics
 
     repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data, repl),
+    return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data),
                    out_shardings=(repl, repl))
 
 
@@ -233,7 +242,7 @@ class Trainer:
             batch = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
             params = self.model.init({"params": init_rng}, batch, train=False)["params"]
             return TrainState(step=jnp.int32(0), params=params,
-                              opt_state=self.optimizer.init(params))
+                              opt_state=self.optimizer.init(params), rng=self.rng)
 
         return init()
 
@@ -277,7 +286,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         for step in range(start + 1, config.num_train_steps + 1):
             batch = pipeline.to_global(next(iterator), self.data_sharding)
-            state, metrics = self.train_step(state, batch, self.rng)
+            state, metrics = self.train_step(state, batch)
             window_steps += 1
             bar.update(1)
             if step % config.log_every_steps == 0 or step == config.num_train_steps:
@@ -361,7 +370,8 @@ class Trainer:
                         references=[_text(c) for c in record[ref_key]],
                         change_type=change_type))
         if not self.is_main:
-            return {}
+            # Wait while process 0 scores, and learn the CIDEr that picks the best checkpoint.
+            return {"CIDEr": _share_from_main(0.0)}
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
         evaluation.write_results(self.workdir, split, step, records, metrics)
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
@@ -370,10 +380,19 @@ class Trainer:
         if writer is not None:
             writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
                                         if isinstance(v, float)})
+        _share_from_main(metrics["CIDEr"])
         return metrics
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
+
+
+def _share_from_main(value: float) -> float:
+    """Process 0's value on every process; also a barrier that keeps the others from racing
+    ahead (e.g. into the shutdown barrier) while process 0 runs the Java scorers."""
+    if jax.process_count() == 1:
+        return value
+    return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -29,8 +29,9 @@ def _one_step(config, workdir, num_devices, batch):
     state = trainer.init_state()
     arrays = pipeline.to_global(batch, trainer.data_sharding)
     loss_fn = train.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
-    grads = jax.jit(jax.grad(loss_fn, has_aux=True))(state.params, arrays, trainer.rng)[0]
-    state, metrics = trainer.train_step(state, arrays, trainer.rng)
+    step_rng = jax.random.fold_in(state.rng, state.step)  # what the train step uses
+    grads = jax.jit(jax.grad(loss_fn, has_aux=True))(state.params, arrays, step_rng)[0]
+    state, metrics = trainer.train_step(state, arrays)
     return jax.device_get((state.params, grads, metrics))
 
 
@@ -71,7 +72,7 @@ def test_update_changes_params_and_masks_padding_row(data_dir, tmp_path):
     state = trainer.init_state()
     before = jax.device_get(state.params)
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
-    state, _ = trainer.train_step(state, batch, trainer.rng)
+    state, _ = trainer.train_step(state, batch)
     after = jax.device_get(state.params)
     emb0, emb1 = (p["decoder"]["embed"]["embedding"] for p in (before, after))
     np.testing.assert_array_equal(emb1[0], emb0[0])  # padding row: zero gradient
@@ -122,7 +123,7 @@ def test_loss_weights_must_match_aux_losses(data_dir, tmp_path):
     state = trainer.init_state()
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
     with pytest.raises(ValueError, match="must name exactly the model's auxiliary losses"):
-        trainer.train_step(state, batch, trainer.rng)
+        trainer.train_step(state, batch)
 
 
 def _free_port() -> int:
@@ -158,7 +159,7 @@ def test_two_processes_equal_one_process(data_dir, tmp_path):
         local = [next(s) for s in shares]
         batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
         state, single = trainer.train_step(
-            state, pipeline.to_global(batch, trainer.data_sharding), trainer.rng)
+            state, pipeline.to_global(batch, trainer.data_sharding))
         single = jax.device_get(single)
         for key in ("loss", "loss/caption", "loss/dirl", "loss/ccr"):
             np.testing.assert_allclose(metrics[key], single[key], rtol=1e-5,
