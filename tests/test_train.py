@@ -135,8 +135,10 @@ def _free_port() -> int:
 def test_two_processes_equal_one_process(data_dir, tmp_path):
     """2 processes x 2 CPU devices (gloo) == 1 process x 4 devices on the same global batches."""
     port = _free_port()
+    repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     helper = Path(__file__).with_name("train_helpers.py")
     procs = [subprocess.Popen(
         [sys.executable, str(helper), str(i), str(port), data_dir, str(tmp_path / "mh")],
