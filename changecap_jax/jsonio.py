@@ -1,23 +1,27 @@
-"""JSON files written atomically and read with errors that name the file."""
+"""Files written atomically, and JSON read with errors that name the file."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = None) -> None:
-    """Writes ``obj`` via a temp file in the same directory + ``os.replace``: a crash never
-    leaves a half-written ``path``."""
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False
+) -> None:
+    """Calls ``write(file)`` on a temp file in the same directory, then ``os.replace``: a
+    crash never leaves a half-written ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=indent)
+        mode = {"mode": "wb"} if binary else {"mode": "w", "encoding": "utf-8"}
+        with os.fdopen(fd, **mode) as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp_name, path)
@@ -27,6 +31,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = No
         except FileNotFoundError:
             pass
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = None) -> None:
+    """JSON through :func:`atomic_write`."""
+    atomic_write(path, lambda fh: json.dump(obj, fh, indent=indent))
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:

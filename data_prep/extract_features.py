@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from changecap_jax.jsonio import atomic_write
 from data_prep.preprocess import ImageReadError, preprocess_batch
 from data_prep.resnet import OUTPUT_SHAPES, WeightsError, load_resnet101
 
@@ -89,20 +89,7 @@ def is_complete(path: str | os.PathLike, shape: Sequence[int]) -> bool:
 
 def save_npy_atomic(path: str | os.PathLike, array: np.ndarray) -> None:
     """``np.save`` via a temp file in the same folder + ``os.replace``: never a partial file."""
-    path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array, allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.remove(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, lambda fh: np.save(fh, array, allow_pickle=False), binary=True)
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
