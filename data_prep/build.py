@@ -1,10 +1,17 @@
 """Builds a dataset into a TFDS (ArrayRecord) data dir.
 
     python -m data_prep.build synthetic --data_dir=DIR [--config=moderate|extreme] [--seed=N]
+    python -m data_prep.build DATASET --raw_dir=DIR [--features_dir=DIR] --data_dir=DIR \\
+        [--weights=resnet101.pth] [--layer=3|4] [--feature_dtype=float32|float16]
 
-The synthetic dataset needs no raw files. The real datasets (clevr_change, clevr_dc,
-spot_the_diff, image_editing_request, birds_to_words) will be built by the same command
-from their raw downloads.
+DATASET is one of clevr_change, clevr_dc, spot_the_diff, image_editing_request,
+birds_to_words, read from its official raw download in ``--raw_dir``. With ``--features_dir``
+the per-image ``<image name>.npy`` files (official naming, channels first, e.g. the authors'
+precomputed archives or ``python -m data_prep.extract_features``) are used; without it the
+features are extracted during the build from ``--weights`` (a local torchvision ResNet-101
+state dict; CUDA when available). The dataset lands in ``DIR/DATASET/<variant>/<version>``
+(variant ``layer3`` / ``layer4``, plus ``_fp16``, ``_stdfix``, ``_len<N>`` when set) and is
+selected with ``--config.dataset.name=DATASET --config.dataset.data_dir=DIR``.
 """
 
 from __future__ import annotations
@@ -17,36 +24,77 @@ from changecap_jax.data import datasets
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", None, "Where to build (default: the user cache folder).")
+# Synthetic dataset.
 flags.DEFINE_string("config", "moderate", "Synthetic distractor strength: moderate | extreme.")
 flags.DEFINE_integer("seed", 0, "Synthetic dataset seed.")
 flags.DEFINE_integer("num_train", 3000, "Synthetic train examples (each gives two pairs).")
 flags.DEFINE_integer("num_val", 300, "Synthetic val examples.")
 flags.DEFINE_integer("num_test", 600, "Synthetic test examples.")
 flags.DEFINE_list("feature_shape", ["8", "8", "64"], "Synthetic grid feature shape H,W,C.")
+# Real datasets.
+flags.DEFINE_string("raw_dir", None, "The dataset's raw download, in its official layout.")
+flags.DEFINE_string("features_dir", None,
+                    "Per-image <image name>.npy features (C, H, W); else extracted.")
+flags.DEFINE_string("weights", None, "Local torchvision ResNet-101 state dict, to extract.")
+flags.DEFINE_integer("layer", None, "ResNet-101 cut: 3 (1024x14x14) or 4 (2048x7x7); "
+                     "default: the dataset's papers' choice.")
+flags.DEFINE_enum("feature_dtype", "float32", ["float32", "float16"],
+                  "Stored feature dtype (float16 halves the disk).")
+flags.DEFINE_boolean("std_fix", False, "Extract with blue std 0.225 instead of the official "
+                     "0.224 typo.")
+flags.DEFINE_integer("max_caption_len", 0, "Cap captions at N tokens with <START>/<END> "
+                     "(longer ones are cut); 0: the dataset's official rule.")
+flags.DEFINE_integer("batch_size", 64, "Images per extraction batch.")
+flags.DEFINE_string("device", None, "torch device for extraction (default: cuda if present).")
+
+
+def build_real(name: str) -> datasets.PreparedDataset:
+    from changecap_jax.data.vocab import CaptionError
+    from data_prep import builders
+    from data_prep.builders.base import BuildError, make_config
+
+    if not FLAGS.raw_dir:
+        raise app.UsageError(f"building {name} needs --raw_dir (its raw download)")
+    cls = builders.builder_class(name)
+    layer = FLAGS.layer or cls.DEFAULT_LAYER
+    config = make_config(layer, FLAGS.feature_dtype, FLAGS.std_fix, FLAGS.max_caption_len)
+    named = config.name if config.name in cls.builder_configs else config
+    root = FLAGS.data_dir or str(datasets.default_data_dir())
+    builder = cls(data_dir=root, config=named, file_format="array_record",
+                  raw_dir=FLAGS.raw_dir, features_dir=FLAGS.features_dir,
+                  weights=FLAGS.weights, batch_size=FLAGS.batch_size, device=FLAGS.device)
+    try:
+        datasets.build(builder)
+    except (BuildError, CaptionError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    return datasets.prepare(name, root, config.name)
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
+    known = ["synthetic", *datasets.REAL_DATASETS]
+    if len(argv) != 2 or argv[1] not in known:
         raise app.UsageError(
-            f"usage: python -m data_prep.build DATASET [flags]; DATASET one of "
-            f"{sorted(datasets.BUILDERS)}"
-        )
+            f"usage: python -m data_prep.build DATASET [flags]; DATASET one of {known}")
     name = argv[1]
-    if name != "synthetic":
-        sys.exit(f"dataset {name!r} has no builder yet; available: {sorted(datasets.BUILDERS)}")
-    options = {
-        "seed": FLAGS.seed,
-        "num_train": FLAGS.num_train,
-        "num_val": FLAGS.num_val,
-        "num_test": FLAGS.num_test,
-        "feature_shape": tuple(int(v) for v in FLAGS.feature_shape),
-    }
-    prepared = datasets.prepare(name, FLAGS.data_dir, FLAGS.config, options)
-    print(f"dataset {name} ({prepared.builder.builder_config.name}) ready in {prepared.directory}")
-    print(f"  splits: {prepared.meta.split_sizes}; features {prepared.meta.feature_shape}; "
-          f"vocabulary {len(prepared.vocab)} words; captions <= {prepared.meta.max_caption_len}")
-    if prepared.meta.raw_dir:
-        print(f"  images and annotations: {prepared.directory / prepared.meta.raw_dir}")
+    if name == "synthetic":
+        options = {
+            "seed": FLAGS.seed,
+            "num_train": FLAGS.num_train,
+            "num_val": FLAGS.num_val,
+            "num_test": FLAGS.num_test,
+            "feature_shape": tuple(int(v) for v in FLAGS.feature_shape),
+        }
+        prepared = datasets.prepare(name, FLAGS.data_dir, FLAGS.config, options)
+    else:
+        prepared = build_real(name)
+    meta = prepared.meta
+    print(f"dataset {name} ({prepared.directory.parent.name}) ready in {prepared.directory}")
+    print(f"  splits: {meta.split_sizes}; features {meta.feature_shape}; "
+          f"vocabulary {len(prepared.vocab)} words; captions <= {meta.max_caption_len}")
+    for reason, n in sorted(meta.skipped.items()):
+        print(f"  skipped {n}: {reason}")
+    if meta.raw_dir:
+        print(f"  images and annotations: {prepared.directory / meta.raw_dir}")
 
 
 if __name__ == "__main__":

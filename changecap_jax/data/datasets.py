@@ -2,8 +2,13 @@
 
 A dataset is named in the config (``dataset.name``) and stored by TFDS (ArrayRecord) under
 ``dataset.data_dir`` (default: ``$CHANGECAP_DATA_DIR``, else ``$XDG_CACHE_HOME/changecap_jax``,
-else ``~/.cache/changecap_jax``). The synthetic dataset builds itself the first time a config
-asks for it; the real datasets are built once with ``python -m data_prep.build``.
+else ``~/.cache/changecap_jax``) as ``<data_dir>/<name>/<variant>/<version>/``. The synthetic
+dataset builds itself the first time a config asks for it; the real datasets
+(:data:`REAL_DATASETS`) are built once from their raw downloads with
+``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
+directory (no builder code, and so no torch, is needed to read them). Their variant is the
+feature extraction (e.g. ``layer3``); when ``dataset.variant`` is empty and only one variant
+is built, that one is used.
 """
 
 from __future__ import annotations
@@ -66,6 +71,59 @@ def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any])
 # name -> (builder factory, builds itself when missing)
 BUILDERS = {"synthetic": (_synthetic_builder, True)}
 
+# Built by data_prep.build from raw downloads; name -> what it is.
+REAL_DATASETS = {
+    "clevr_change": "CLEVR-Change (Park et al., ICCV 2019)",
+    "clevr_dc": "CLEVR-DC (Kim et al., ICCV 2021)",
+    "spot_the_diff": "Spot-the-Diff (Jhamtani & Berg-Kirkpatrick, EMNLP 2018)",
+    "image_editing_request": "Image Editing Request (Tan et al., ACL 2019)",
+    "birds_to_words": "Birds-to-Words (Forbes et al., EMNLP 2019)",
+}
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in path.name.split("."))
+    except ValueError:
+        return (-1,)
+
+
+def built_variants(root: Path, name: str) -> dict[str, Path]:
+    """variant -> directory of its newest built version, for a real dataset under ``root``."""
+    out = {}
+    base = root / name
+    if not base.is_dir():
+        return out
+    for config_dir in sorted(p for p in base.iterdir() if p.is_dir()):
+        versions = [v for v in config_dir.iterdir() if (v / "dataset_info.json").exists()]
+        if versions:
+            out[config_dir.name] = max(versions, key=_version_key)
+    return out
+
+
+def _prepare_real(name: str, root: Path, variant: str) -> PreparedDataset:
+    how = (f"build it with: python -m data_prep.build {name} --raw_dir=RAW "
+           f"--data_dir={root} (see the README)")
+    variants = built_variants(root, name)
+    if not variants:
+        raise DatasetError(f"dataset {name!r} is not built in {root} (no "
+                           f"{root / name}/<variant>/<version>/dataset_info.json); {how}")
+    if variant:
+        if variant not in variants:
+            raise DatasetError(f"dataset {name!r} has no variant {variant!r} in {root / name}; "
+                               f"built variants: {sorted(variants)}")
+    elif len(variants) == 1:
+        (variant,) = variants
+    else:
+        raise DatasetError(f"dataset {name!r} has several built variants in {root / name}: "
+                           f"{sorted(variants)}; choose one with --config.dataset.variant=...")
+    directory = variants[variant]
+    try:
+        builder = tfds.builder_from_directory(str(directory))
+    except Exception as e:  # TFDS raises several types for a damaged dataset_info.json
+        raise DatasetError(f"cannot open dataset {name!r} in {directory}: {e}") from e
+    return _read_prepared(name, builder, directory)
+
 
 def prepare(
     name: str,
@@ -76,11 +134,14 @@ def prepare(
     build_if_missing: bool = True,
 ) -> PreparedDataset:
     """Finds (or, for self-building datasets, builds) a dataset and reads its metadata."""
-    if name not in BUILDERS:
-        raise DatasetError(f"unknown dataset {name!r}; known datasets: {sorted(BUILDERS)}")
-    factory, self_building = BUILDERS[name]
     explicit_dir = data_dir not in (None, "")
     root = Path(data_dir) if explicit_dir else default_data_dir()
+    if name in REAL_DATASETS:
+        return _prepare_real(name, root, variant)
+    if name not in BUILDERS:
+        raise DatasetError(f"unknown dataset {name!r}; known datasets: "
+                           f"{sorted([*BUILDERS, *REAL_DATASETS])}")
+    factory, self_building = BUILDERS[name]
     can_build = self_building and build_if_missing
     if explicit_dir and not root.is_dir() and not can_build:
         raise DatasetError(
@@ -113,7 +174,7 @@ def build(builder: tfds.core.DatasetBuilder) -> None:
 def _read_prepared(name: str, builder: Any, directory: Path) -> PreparedDataset:
     try:
         meta = schema.DatasetMeta.load(directory / schema.META_FILE)
-        vocab = Vocabulary.load(directory / schema.VOCAB_FILE)
+        vocab = Vocabulary.load(directory / schema.VOCAB_FILE, meta.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise DatasetError(f"dataset {name!r} in {directory} is incomplete or corrupt: {e}") from e
     return PreparedDataset(name=name, builder=builder, directory=directory, meta=meta, vocab=vocab)

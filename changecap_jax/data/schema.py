@@ -9,16 +9,25 @@ key                        shape / dtype          meaning
 =========================  =====================  ==========================================
 id                         () int32               example number (file number in the raw data)
 image_id                   () string              evaluation id, e.g. "000123.png"
-before                     (H, W, C) float16      grid features of the before image
+before                     (H, W, C) float16/32   grid features of the before image
 after_semantic             (H, W, C) float16      after image with the semantic change
 after_distractor           (H, W, C) float16      after image with distractors only (optional)
 change_captions            (N,) string            reference captions of the semantic pair
-change_caption_ids         (N, L) int32           the same, tokenised, zero-padded
+change_caption_ids         (N, L) int32           training targets, tokenised, zero-padded
+                                                  (the same captions, except where a
+                                                  dataset's references hold unusable ones)
 no_change_captions         (M,) string            captions of the distractor pair (optional)
 no_change_caption_ids      (M, L) int32           (optional)
 change_type                () int32               index into DatasetMeta.change_types, -1 none
 bbox_before, bbox_after    (4,) float32           changed object's [x, y, w, h] px (optional)
 =========================  =====================  ==========================================
+
+Datasets may add fields of their own (e.g. Spot-the-Diff's ``annotation_index``, the
+annotator entry each reference sentence came from). The synthetic dataset stores float16
+features and captions padded to a fixed length; the real datasets store the float32
+features of the original extraction by default and declare the caption length of the
+``*_caption_ids`` fields as variable (every record is still padded to
+``DatasetMeta.max_caption_len``, which is computed from the data by the official rule).
 
 Beside the records, each dataset directory holds ``vocab.json`` (official word -> id format),
 ``meta.json`` (:class:`DatasetMeta`) and ``files.json`` (size and sha256 of each record file,
@@ -45,29 +54,33 @@ FILES_FILE = "files.json"  # size and sha256 of every record file, written at bu
 
 
 def features(
-    feature_shape: tuple[int, int, int], max_caption_len: int, *, with_distractor: bool,
-    with_boxes: bool = False,
+    feature_shape: tuple[int, int, int], max_caption_len: int | None, *, with_distractor: bool,
+    with_boxes: bool = False, feature_dtype: type = np.float16,
+    extra: dict[str, tfds.features.FeatureConnector] | None = None,
 ) -> tfds.features.FeaturesDict:
-    """The TFDS features of the record schema above."""
-    grid = lambda: tfds.features.Tensor(shape=tuple(feature_shape), dtype=np.float16)  # noqa: E731
+    """The TFDS features of the record schema above (``max_caption_len`` None: variable)."""
+    grid = lambda: tfds.features.Tensor(shape=tuple(feature_shape), dtype=feature_dtype)  # noqa: E731
+    ids_encoding = "none" if max_caption_len else "zlib"  # TFDS needs one for 2 unknown dims
     spec = {
         "id": tfds.features.Scalar(dtype=np.int32),
         "image_id": tfds.features.Tensor(shape=(), dtype=np.object_),
         "before": grid(),
         "after_semantic": grid(),
         "change_captions": tfds.features.Tensor(shape=(None,), dtype=np.object_),
-        "change_caption_ids": tfds.features.Tensor(shape=(None, max_caption_len), dtype=np.int32),
+        "change_caption_ids": tfds.features.Tensor(
+            shape=(None, max_caption_len), dtype=np.int32, encoding=ids_encoding),
         "change_type": tfds.features.Scalar(dtype=np.int32),
     }
     if with_distractor:
         spec["after_distractor"] = grid()
         spec["no_change_captions"] = tfds.features.Tensor(shape=(None,), dtype=np.object_)
         spec["no_change_caption_ids"] = tfds.features.Tensor(
-            shape=(None, max_caption_len), dtype=np.int32
+            shape=(None, max_caption_len), dtype=np.int32, encoding=ids_encoding
         )
     if with_boxes:
         spec["bbox_before"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
         spec["bbox_after"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
+    spec.update(extra or {})
     return tfds.features.FeaturesDict(spec)
 
 
@@ -84,6 +97,13 @@ class DatasetMeta:
     extractor: str = ""  # "synthetic_grid" or "resnet101_layer3" / "resnet101_layer4"
     seed: int | None = None
     split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    tokenizer: str = "clevr"  # a name in changecap_jax.data.vocab.TOKENIZERS
+    # Metrics the dataset's papers rank by, named as in evaluation.score_captions.
+    main_metrics: list[str] = dataclasses.field(default_factory=lambda: ["CIDEr"])
+    # Evaluation protocol in words (which pairs, which references), shown with the table.
+    protocol: str = ""
+    # What the build left out, reason -> count (e.g. ids in no split, missing images).
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, dataclasses.asdict(self), indent=1)
