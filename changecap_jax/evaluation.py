@@ -554,11 +554,23 @@ _TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
+METRIC_NAMES = {  # how the table names the metric each column holds
+    "Bleu_4": "BLEU-4",
+    "METEOR": "METEOR 1.5",
+    "ROUGE_L": "ROUGE-L",
+    "CIDEr": "CIDEr-D (pycocoevalcap's CIDEr: sigma 6, clipped)",
+    "SPICE": "SPICE",
+}
+
+
 def format_table(metrics: Mapping[str, Any]) -> str:
     """Fixed-width text table of an :func:`evaluate_pairs` result, for console logs.
 
     Rows: total, semantic, no_change, color, material, add, drop, move (those present); columns
-    B4, M, R, C, S (when SPICE is present) and N (number of pairs), two decimals.
+    B4, M, R, C, S (when SPICE is present) and N (number of pairs), two decimals. When the
+    metrics carry ``dataset``, ``main_metrics`` and ``protocol`` (the trainer adds them from
+    the dataset's metadata), lines under the table say which metric the dataset's papers
+    rank by and which pairs and references were scored.
     """
     rows: list[tuple[str, Mapping[str, Any]]] = [("total", metrics)]
     for name in ROW_ORDER[1:]:
@@ -577,7 +589,16 @@ def format_table(metrics: Mapping[str, Any]) -> str:
         n = row.get("num_pairs")
         cells.append(f" {n:>7d}" if isinstance(n, int) else f" {'-':>7}")
         lines.append(f"{name:<{name_w}}" + "".join(cells))
-    return "\n".join(lines)
+    notes = []
+    if metrics.get("dataset"):
+        notes.append(f"dataset: {metrics['dataset']}")
+    if metrics.get("main_metrics"):
+        notes.append("main metric(s): " + ", ".join(
+            METRIC_NAMES.get(m, m) for m in metrics["main_metrics"]))
+    if metrics.get("protocol"):
+        notes.append(f"protocol: {metrics['protocol']}")
+    notes.append("scores x100; B4 = BLEU-4, M = METEOR, R = ROUGE-L, C = CIDEr-D, S = SPICE")
+    return "\n".join([*lines, *notes])
 
 
 # ---------------------------------------------------------------------------------------------

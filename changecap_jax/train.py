@@ -214,6 +214,10 @@ class Trainer:
         self.max_len = config.decode.max_len or self.dataset.meta.max_caption_len
         self.model = models.build(config.model, vocab_size=len(self.dataset.vocab),
                                   max_len=self.max_len)
+        if "distractor" in self.model_streams() and not self.dataset.meta.has_distractor:
+            raise datasets.DatasetError(
+                f"the model trains on distractor pairs but dataset {ds.name!r} has none; set "
+                f"--config.model.pairs=semantic_only (or use the dataset's preset)")
         num_train = self.dataset.meta.split_sizes.get("train") or len(self.dataset.split("train"))
         self.steps_per_epoch = math.ceil(num_train / config.batch_size)
         self.optimizer, self.schedule = make_optimizer(config.optim, self.steps_per_epoch)
@@ -345,7 +349,9 @@ class Trainer:
         total = pipeline.num_eval_batches(len(source), G)
         for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
                                        disable=not self.is_main, dynamic_ncols=True)):
-            arrays = pipeline.to_global(batch, self.data_sharding)
+            arrays = pipeline.to_global(
+                batch, self.data_sharding,
+                fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams)))
             decoded = {}
             for s in streams:
                 after_key = STREAM_INPUTS[s][0]
@@ -373,6 +379,8 @@ class Trainer:
             # Wait while process 0 scores, and learn the CIDEr that picks the best checkpoint.
             return {"CIDEr": _share_from_main(0.0)}
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
+        metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
+                       protocol=meta.protocol)
         evaluation.write_results(self.workdir, split, step, records, metrics)
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
         for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:

@@ -35,3 +35,31 @@ def small_synthetic(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("data")
     return datasets.prepare("synthetic", root, "moderate", SMALL)
+
+
+@pytest.fixture(scope="session")
+def random_weights(tmp_path_factory) -> Path:
+    """A random ResNet-101 state dict in torchvision's format, BN statistics calibrated on
+    random inputs so that the features depend on the image (as trained weights do)."""
+    torch = pytest.importorskip(
+        "torch", reason="PyTorch is not installed (optional: pip install -r "
+        "requirements-torch.txt)")
+    from data_prep import resnet
+
+    torch.manual_seed(0)
+    model = resnet.ResNet()
+    bns = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    with torch.no_grad():
+        for name, m in bns:
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.normal_(0.0, 0.1)
+            if name.endswith("bn3"):
+                m.weight.mul_(0.3)  # tame the growth along 33 residual blocks
+            m.momentum = None  # running stats := this batch's statistics
+        model.train()
+        model(torch.randn(2, 3, 48, 48))
+    for _, m in bns:
+        m.momentum = 0.1
+    path = tmp_path_factory.mktemp("weights") / "resnet101_random.pth"
+    torch.save(model.state_dict(), path)
+    return path

@@ -395,7 +395,7 @@ def test_record_validation():
 
 def test_format_table(table):
     text = ev.format_table(table)
-    lines = text.splitlines()
+    lines = [line for line in text.splitlines() if not line.startswith("scores x100")]
     assert lines[0].split() == ["B4", "M", "R", "C", "N"]
     names = [line.split()[0] for line in lines[1:]]
     assert names == ["total", "semantic", "no_change", "color", "material", "add", "drop"]
@@ -406,6 +406,17 @@ def test_format_table(table):
     assert len({len(line) for line in lines}) == 1  # fixed width
     with_spice = {**table, "SPICE": 21.5}
     assert ev.format_table(with_spice).splitlines()[0].split() == ["B4", "M", "R", "C", "S", "N"]
+
+
+def test_format_table_states_the_main_metric_and_protocol(table):
+    birds = {**table, "dataset": "birds_to_words", "main_metrics": ["CIDEr", "ROUGE_L"],
+             "protocol": "every test pair; references: all its descriptions"}
+    notes = ev.format_table(birds).splitlines()[-4:]
+    assert notes[0] == "dataset: birds_to_words"
+    assert notes[1] == ("main metric(s): CIDEr-D (pycocoevalcap's CIDEr: sigma 6, clipped), "
+                        "ROUGE-L")
+    assert notes[2] == "protocol: every test pair; references: all its descriptions"
+    assert "main metric" not in ev.format_table(table)
 
 
 def test_write_results(tmp_path, table):

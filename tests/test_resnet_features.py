@@ -108,29 +108,6 @@ def _write_images(folder: Path, count: int, size: tuple[int, int] = (48, 64),
     return paths
 
 
-@pytest.fixture(scope="session")
-def random_weights(tmp_path_factory) -> Path:
-    """A random ResNet-101 state dict in torchvision's format, BN statistics calibrated on
-    random inputs so that the features depend on the image (as trained weights do)."""
-    torch.manual_seed(0)
-    model = resnet.ResNet()
-    bns = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    with torch.no_grad():
-        for name, m in bns:
-            m.weight.uniform_(0.5, 1.5)
-            m.bias.normal_(0.0, 0.1)
-            if name.endswith("bn3"):
-                m.weight.mul_(0.3)  # tame the growth along 33 residual blocks
-            m.momentum = None  # running stats := this batch's statistics
-        model.train()
-        model(torch.randn(2, 3, 48, 48))
-    for _, m in bns:
-        m.momentum = 0.1
-    path = tmp_path_factory.mktemp("weights") / "resnet101_random.pth"
-    torch.save(model.state_dict(), path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def two_images(tmp_path_factory) -> list[Path]:
     return _write_images(tmp_path_factory.mktemp("images"), 2)

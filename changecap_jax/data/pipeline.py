@@ -158,15 +158,24 @@ def device_fields(batch: dict[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
-def to_global(batch: dict[str, np.ndarray], sharding: Any) -> dict[str, Any]:
+def to_global(batch: dict[str, np.ndarray], sharding: Any,
+              fields: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Local batch -> global jax.Arrays whose leading axis is split by ``sharding``.
 
     ``sharding`` is a ``jax.sharding.NamedSharding`` over the batch axis (e.g.
-    ``NamedSharding(mesh, P('data'))``); every process passes its own local batch.
+    ``NamedSharding(mesh, P('data'))``); every process passes its own local batch. ``fields``
+    limits the transfer to those keys (evaluation sends only the images and the mask: other
+    numeric fields, such as a record's reference ids, may differ in shape between processes).
     """
     import jax
 
+    arrays = device_fields(batch)
+    if fields is not None:
+        missing = [f for f in fields if f not in arrays]
+        if missing:
+            raise KeyError(f"batch has no device field(s) {missing}; it has {sorted(arrays)}")
+        arrays = {f: arrays[f] for f in fields}
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-        for k, v in device_fields(batch).items()
+        for k, v in arrays.items()
     }

@@ -110,20 +110,24 @@ def make_config(layer: int = 3, feature_dtype: str = "float32", std_fix: bool = 
                        max_caption_len=max_caption_len)
 
 
-def find_feature_file(features_dir: Path, image_rel: str,
-                      subdir_map: dict[str, str]) -> Path | None:
+def find_feature_file(features_dir: Path, image_rel: str, subdir_map: dict[str, str],
+                      names: Sequence[str] = ()) -> Path | None:
     """The ``.npy`` of one image: ``<features_dir>/<feature subdir>/<name>.npy`` (the official
-    layout, e.g. ``images/`` -> ``features/``), the image's own sub-path, or flat."""
+    layout, e.g. ``images/`` -> ``features/``), the image's own sub-path, or flat; for each of
+    ``names`` (default: the image's file name) in turn."""
     rel = Path(image_rel)
-    name = rel.name + ".npy"
     parent = rel.parent.as_posix()
-    candidates = []
+    folders = []
     if parent in subdir_map:
-        candidates.append(features_dir / subdir_map[parent] / name)
+        folders.append(features_dir / subdir_map[parent])
     if parent not in ("", "."):
-        candidates.append(features_dir / rel.parent / name)
-    candidates.append(features_dir / name)
-    return next((c for c in candidates if c.exists()), None)
+        folders.append(features_dir / rel.parent)
+    folders.append(features_dir)
+    for name in names or (rel.name,):
+        for folder in folders:
+            if (folder / f"{name}.npy").exists():
+                return folder / f"{name}.npy"
+    return None
 
 
 def load_feature_file(path: Path, expected_chw: tuple[int, int, int]) -> np.ndarray:
@@ -199,6 +203,12 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
     def extra_features(self) -> dict[str, tfds.features.FeatureConnector]:
         """TFDS features of the dataset's own record fields (``PairSpec.extra``)."""
         return {}
+
+    def feature_names(self, image_rel: str) -> list[str]:
+        """Image file names whose ``<name>.npy`` may hold an image's features, in order of
+        preference (a dataset whose official features were named after renamed images adds
+        those names)."""
+        return [Path(image_rel).name]
 
     # -- TFDS -----------------------------------------------------------------------------
 
@@ -284,11 +294,13 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             def from_files(rels: list[str]) -> dict[str, np.ndarray]:
                 out = {}
                 for rel in rels:
-                    path = find_feature_file(self.features_dir, rel, self.FEATURE_SUBDIRS)
+                    names = self.feature_names(rel)
+                    path = find_feature_file(self.features_dir, rel, self.FEATURE_SUBDIRS,
+                                             names)
                     if path is None:
                         raise BuildError(
                             f"no feature file for image {rel} under {self.features_dir} "
-                            f"(looked for {Path(rel).name}.npy in "
+                            f"(looked for {' or '.join(n + '.npy' for n in names)} in "
                             f"{self.FEATURE_SUBDIRS.get(Path(rel).parent.as_posix(), '')!r}, "
                             f"{Path(rel).parent.as_posix()!r} and the top level)")
                     out[rel] = load_feature_file(path, chw)
@@ -314,8 +326,9 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
     ) -> Iterator[tuple[int, dict[str, Any]]]:
         cfg: PairsConfig = self.builder_config
         dtype = np.dtype(cfg.feature_dtype)
-        # Unknown words: impossible in the vocabulary's own splits; elsewhere they become
-        # <UNK> and are counted (the official scripts differ; see the dataset modules).
+        # Unknown words: an error in the vocabulary's own splits when every word is kept
+        # (official allow_unk=0); otherwise (other splits, or a count threshold that drops
+        # rare words) they become <UNK> and are counted.
         unknown: dict[str, int] = {}
         chunk = max(1, self.batch_size)
         with tqdm(total=len(specs), desc=f"{self.name} {split}", unit="record",
@@ -324,8 +337,10 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
                 batch = specs[start:start + chunk]
                 rels = list(dict.fromkeys(r for s in batch for r in s.images.values()))
                 features = self._features(rels)
-                for spec in batch:
-                    yield spec.id, self._record(spec, features, dtype, split, unknown)
+                for n, spec in enumerate(batch, start):
+                    # Keyed by position: TFDS writes unshuffled records sorted by key, and the
+                    # split keeps the annotation files' order.
+                    yield n, self._record(spec, features, dtype, split, unknown)
                 bar.update(len(batch))
         if unknown:
             log_unknown_words(unknown, f"{self.name} {split} split")
@@ -356,7 +371,8 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
                 unknown: dict[str, int]) -> np.ndarray:
         try:
             return self._vocab.encode_many(
-                captions, self._max_len, allow_unk=split not in self.VOCAB_SPLITS,
+                captions, self._max_len,
+                allow_unk=split not in self.VOCAB_SPLITS or self.VOCAB_MIN_COUNT > 1,
                 unknown_counter=unknown,
                 truncate=True)  # only captions beyond an explicit cap are long
         except CaptionError as e:
