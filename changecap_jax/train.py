@@ -91,13 +91,33 @@ def zero_gradient_rows(grads: Any, rows: dict[str, int]) -> Any:
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
+def frozen_labels(params: Any, frozen: tuple[str, ...] | list[str]) -> Any:
+    """"frozen" for every parameter under one of the ``frozen`` top-level names, else
+    "trained" (the official SCORER keeps CBR outside its optimiser, reference S-Q1)."""
+    tops = set(params)
+    unknown = sorted(set(frozen) - tops)
+    if unknown:
+        raise KeyError(f"optim.frozen names {unknown}, which are not top-level parameter "
+                       f"groups; groups: {sorted(tops)}")
+    return {k: jax.tree.map(lambda _, k=k: "frozen" if k in frozen else "trained", v)
+            for k, v in params.items()}
+
+
 def make_optimizer(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> Any:
+    """Adam with the StepLR schedule; ``optim.frozen`` top-level groups are never updated
+    (and hold no Adam moments)."""
     schedule = learning_rate_schedule(optim, steps_per_epoch)
     chain = []
     if optim.grad_clip_norm:
         chain.append(optax.clip_by_global_norm(optim.grad_clip_norm))
     chain.append(optax.adam(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps))
-    return optax.chain(*chain), schedule
+    optimizer = optax.chain(*chain)
+    frozen = tuple(optim.get("frozen", ()))
+    if frozen:
+        optimizer = optax.multi_transform(
+            {"trained": optimizer, "frozen": optax.set_to_zero()},
+            lambda params: frozen_labels(params, frozen))
+    return optimizer, schedule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +174,11 @@ def make_train_step(
         grads = zero_gradient_rows(grads, zero_grad_rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # A model may constrain its parameters after each update (SCORER clamps its logit
+        # scale to log 100, as the official loop does after optimizer.step()).
+        post_update = getattr(model, "post_update", None)
+        if post_update is not None:
+            params = post_update(params)
         metrics["learning_rate"] = schedule(state.step)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                rng=state.rng)
@@ -228,6 +253,16 @@ class Trainer:
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
 
+    @property
+    def total_train_steps(self) -> int:
+        """``num_train_steps``, or with ``finish_last_epoch`` rounded up to whole epochs: the
+        official loop tests ``t < max_iter`` only between epochs, so 10,000 iterations at 265
+        per epoch run 10,070 updates (reference §3.8)."""
+        n = self.config.num_train_steps
+        if self.config.get("finish_last_epoch", False):
+            n = math.ceil(n / self.steps_per_epoch) * self.steps_per_epoch
+        return n
+
     # -- state --------------------------------------------------------------------------------
 
     def init_state(self) -> TrainState:
@@ -284,16 +319,17 @@ class Trainer:
             n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
             logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
                          config.model.name, n_params, self.steps_per_epoch, start)
-        bar = tqdm(total=config.num_train_steps, initial=start, disable=not self.is_main,
+        total_steps = self.total_train_steps
+        bar = tqdm(total=total_steps, initial=start, disable=not self.is_main,
                    desc="train", dynamic_ncols=True)
         last_eval: dict[str, Any] = {}
         window_start, window_steps = time.perf_counter(), 0
-        for step in range(start + 1, config.num_train_steps + 1):
+        for step in range(start + 1, total_steps + 1):
             batch = pipeline.to_global(next(iterator), self.data_sharding)
             state, metrics = self.train_step(state, batch)
             window_steps += 1
             bar.update(1)
-            if step % config.log_every_steps == 0 or step == config.num_train_steps:
+            if step % config.log_every_steps == 0 or step == total_steps:
                 metrics = jax.device_get(metrics)
                 if not np.isfinite(metrics["loss"]):
                     raise NonFiniteLossError(f"non-finite loss {metrics['loss']} at step {step}")
@@ -303,10 +339,10 @@ class Trainer:
                 self.history.append((step, {k: float(v) for k, v in metrics.items()}))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 window_start, window_steps = time.perf_counter(), 0
-            do_eval = step % config.eval_every_steps == 0 or step == config.num_train_steps
+            do_eval = step % config.eval_every_steps == 0 or step == total_steps
             do_save = do_eval or step % config.checkpoint_every_steps == 0
             if do_eval:
-                splits = (config.final_eval_splits if step == config.num_train_steps
+                splits = (config.final_eval_splits if step == total_steps
                           else config.eval_splits)
                 last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
             if do_save:

@@ -34,6 +34,9 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.batch_size = 128  # global: examples per step (each gives its pairs)
     config.eval_batch_size = 128
     config.num_train_steps = 10_000
+    # Round the run up to whole epochs as the official loop does (10,000 -> 10,070 updates
+    # on CLEVR-Change); the paper presets set it, the CPU presets stop at num_train_steps.
+    config.finish_last_epoch = False
     config.log_every_steps = 50
     config.eval_every_steps = 1000
     config.checkpoint_every_steps = 1000
@@ -52,6 +55,8 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
         "grad_clip_norm": 0.0,  # 0 = no clipping (the official yaml's grad_clip -1)
         # Rows of embedding tables whose gradient is zeroed (torch padding_idx=0).
         "zero_grad_rows": {},
+        # Top-level parameter groups the optimiser never updates (official SCORER: CBR).
+        "frozen": (),
     })
     config.decode = ml_collections.ConfigDict({
         "sample": False,  # greedy (test-time protocol); True = multinomial sampling

@@ -90,6 +90,7 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
         config.num_train_steps = steps
         config.loss_weights = {"dirl": w_dirl, "ccr": w_ccr}
         config.decode.max_len = decode_len
+        config.finish_last_epoch = True  # official: the last epoch runs to its end
     else:
         raise ValueError(f"unknown preset {preset!r} for configs/dirl.py; choose one of "
                          f"{['synthetic', 'synthetic_extreme', *PAPER_PRESETS]}")

@@ -166,3 +166,25 @@ def test_real_vocabulary_is_reproduced_by_the_builder_rules():
     # Captions whose train vocabulary is complete: the official rules give the same ids.
     rebuilt = Vocabulary.build([" ".join(words[i:i + 7]) for i in range(0, len(words), 7)])
     assert rebuilt.word_to_id == official
+
+
+def test_build_command_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    root = clevr_change_raw(tmp_path / "raw", with_features=True)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, "-m", "data_prep.build", "clevr_change", f"--raw_dir={root}",
+           f"--features_dir={root / 'features'}", f"--data_dir={tmp_path / 'out'}"]
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dataset clevr_change (layer3) ready" in done.stdout
+    assert "skipped 1: images in neither splits.json nor type_mapping.json" in done.stdout
+    assert datasets.prepare("clevr_change", tmp_path / "out").meta.split_sizes["train"] == 3
+    (root / "data" / "splits.json").unlink()
+    cmd[-1] = f"--data_dir={tmp_path / 'out2'}"
+    failed = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0
+    assert "error: missing split file" in failed.stderr and "splits.json" in failed.stderr

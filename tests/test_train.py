@@ -116,6 +116,39 @@ def test_adam_matches_torch_formula():
     assert abs(updates[1]) < 2e-4 * 0.999  # eps matters for a tiny gradient
 
 
+def test_finish_last_epoch_rounds_up_to_whole_epochs(data_dir, tmp_path):
+    # 40 train examples, batch 16 -> 3 steps per epoch (the last one partial, as torch's
+    # DataLoader without drop_last); 4 iterations -> the official loop runs 6.
+    trainer = train.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path)
+    assert trainer.steps_per_epoch == 3 and trainer.total_train_steps == 4
+    config = tiny_config(data_dir, num_train_steps=4, finish_last_epoch=True)
+    assert train.Trainer(config, tmp_path).total_train_steps == 6
+    config = tiny_config(data_dir, num_train_steps=6, finish_last_epoch=True)
+    assert train.Trainer(config, tmp_path).total_train_steps == 6
+
+
+def test_frozen_groups_are_never_updated():
+    import ml_collections
+    optim = ml_collections.ConfigDict(dict(
+        learning_rate=1e-2, b1=0.9, b2=0.999, eps=1e-8, decay_factor=0.1,
+        decay_every_epochs=0, grad_clip_norm=0.0, frozen=("cbr",)))
+    opt, _ = train.make_optimizer(optim, steps_per_epoch=10)
+    params = {"encoder": {"w": np.ones(3, np.float32)},
+              "cbr": {"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}}
+    grads = jax.tree.map(lambda x: np.full_like(x, 0.5), params)
+    state = opt.init(params)
+    for _ in range(2):
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params["cbr"]["w"], 1.0)
+    np.testing.assert_array_equal(params["cbr"]["b"], 0.0)
+    assert np.all(params["encoder"]["w"] < 1.0 - 1e-2)  # two Adam steps of ~lr each
+    optim.frozen = ("speaker",)
+    opt, _ = train.make_optimizer(optim, steps_per_epoch=10)
+    with pytest.raises(KeyError, match="speaker"):
+        opt.init(params)
+
+
 def test_loss_weights_must_match_aux_losses(data_dir, tmp_path):
     config = tiny_config(data_dir)
     config.loss_weights = {"dirl": 0.5}
