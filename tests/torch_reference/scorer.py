@@ -74,9 +74,7 @@ def sinusoid_table(max_len: int, dim: int) -> Tensor:
     """§3.2 ``position_enc.pe`` (max_len, dim): row p has sin(p*f_k) on dim 2k and cos(p*f_k)
     on dim 2k + 1, f_k = exp(-(2k) * ln(10000) / dim); computed in float32."""
     position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
-    div_term = torch.exp(
-        torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim)
-    )
+    div_term = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(10000.0) / dim))
     pe = torch.zeros(max_len, dim, dtype=torch.float32)
     pe[:, 0::2] = torch.sin(position * div_term)
     pe[:, 1::2] = torch.cos(position * div_term[: dim // 2])
@@ -195,6 +193,8 @@ class ScorerLayer(nn.Module):
 
 
 class ChangeDetectorOutput(NamedTuple):
+    """§3.1 outputs (memory, S1, S2, X1^0, X2^0)."""
+
     memory: Tensor  # (B, H*W, D) decoder memory (after embed_fc)
     sim_bef: Tensor  # (B, B) S1: last layer, before-tokens as queries, after-tokens as keys
     sim_aft: Tensor  # (B, B) S2: last layer, after-tokens as queries
@@ -309,7 +309,7 @@ class Output(nn.Module):
     def __init__(self, dim: int = 512, dropout: float = 0.1) -> None:
         super().__init__()
         self.dense = nn.Linear(dim, dim)
-        self.LayerNorm = nn.LayerNorm(dim, eps=1e-6)  # noqa: N815 (official key name)
+        self.LayerNorm = nn.LayerNorm(dim, eps=1e-6)  # official key name output.LayerNorm
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, g: Tensor) -> Tensor:
@@ -577,6 +577,8 @@ def clamp_logit_scales(change_detector: ChangeDetector, generator: CBR | None = 
 
 
 class SampleOutput(NamedTuple):
+    """§3.7 / §4.6 decoding result."""
+
     ids: Tensor  # (B, max_len) int64: START at 0, then <= max_len - 1 words; END written as 0
     log_probs: Tensor  # (B, max_len): log p of the symbol chosen at step k stored at k + 1 while
     #                    the row was unfinished (END's included), 0 at position 0 and after END
