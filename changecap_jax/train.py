@@ -39,6 +39,9 @@ STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id s
 }
 
 
+INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 
@@ -274,7 +277,7 @@ class Trainer:
         source = self.dataset.split("train")
         example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0)))
         shapes = {k: (v.shape, v.dtype) for k, v in pipeline.device_fields(example).items()}
-        init_rng = jax.random.fold_in(self.rng, 0x1A17)
+        init_rng = jax.random.fold_in(self.rng, INIT_FOLD)
 
         @functools.partial(jax.jit, out_shardings=parallel.replicated(self.mesh))
         def init() -> TrainState:
@@ -299,7 +302,11 @@ class Trainer:
         step = manager.latest_step() if step is None else step
         args = {"state": ocp.args.StandardRestore(state)}
         if iterator is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+            if (Path(manager.directory) / str(step) / "data").exists():
+                args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+            else:  # e.g. converted from PyTorch without the dataset at hand
+                logging.info("checkpoint %d has no data iterator state: the data order "
+                             "starts fresh", step)
         restored = manager.restore(step, args=ocp.args.Composite(**args))
         logging.info("restored checkpoint of step %d from %s", step, manager.directory)
         return restored["state"]

@@ -1,0 +1,39 @@
+"""Import official PyTorch checkpoints (SCORER / DIRL snapshots) into our orbax checkpoints.
+
+    python -m changecap_jax.convert --config=configs/dirl.py:clevr_change \
+        --torch_checkpoint=PATH.pt --workdir=DIR [--extra_params=PATH] [--missing=error|init]
+
+writes ``DIR/checkpoints/<step>`` that ``python -m changecap_jax.main --config=... --workdir=DIR
+--mode=eval`` restores. Modules (``shared/reference/official_pytorch.md`` §1.1, §3.6, §4.5, §7):
+
+* :mod:`.torch_checkpoint` — reading snapshots / state_dicts with torch (optional dependency);
+* :mod:`.mapping` — per-model key tables (torch key -> Flax path + transform), checks;
+* :mod:`.converter` — :func:`convert_checkpoint`, :func:`convert_params`;
+* :mod:`.compare` — :func:`forward_outputs`, every intermediate to compare with PyTorch.
+
+Nothing here imports torch until a torch file is read.
+"""
+
+from changecap_jax.convert.converter import (
+    ConversionReport,
+    convert_checkpoint,
+    convert_params,
+)
+from changecap_jax.convert.errors import (
+    CheckpointFormatError,
+    ConversionError,
+    KeyMismatchError,
+    TorchUnavailableError,
+    WrongModelError,
+)
+
+__all__ = [
+    "CheckpointFormatError",
+    "ConversionError",
+    "ConversionReport",
+    "KeyMismatchError",
+    "TorchUnavailableError",
+    "WrongModelError",
+    "convert_checkpoint",
+    "convert_params",
+]

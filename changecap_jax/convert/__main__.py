@@ -1,0 +1,70 @@
+"""``python -m changecap_jax.convert``: official PyTorch snapshot -> orbax checkpoint.
+
+    --config=configs/MODEL.py[:PRESET]  the config the checkpoint will be used with (same flags as
+                                        changecap_jax.main, e.g. --config.model.num_heads=8)
+    --torch_checkpoint=PATH             official snapshot, e.g. dirl_ccr_clevr_change_checkpoint_
+                                        15000.pt (reference §3.6 / §4.5)
+    --workdir=DIR                       writes DIR/checkpoints/<step>; then run
+                                        python -m changecap_jax.main --config=... --workdir=DIR
+                                        --mode=eval
+    --extra_params=PATH                 torch state_dict of parameters the snapshot lacks
+                                        (SCORER's CBR, reference S-Q1)
+    --missing=error|init                without --extra_params: fail (default) or initialise them
+    --step=N                            checkpoint step (default: the snapshot's iteration, else 0)
+    --allow_pickle                      full pickle for files the safe loaders refuse (trusted
+                                        files only)
+    --print_table                       print the key table (torch key -> Flax path) and exit
+
+Any problem (unreadable file, other model, missing / unexpected / mis-shaped key) exits with
+status 1 and a message naming the key and both shapes. See :mod:`changecap_jax.convert.converter`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
+flags.DEFINE_string("torch_checkpoint", None, "Official PyTorch snapshot (.pt).")
+flags.DEFINE_string("workdir", None, "Output directory (writes WORKDIR/checkpoints).")
+flags.DEFINE_string("extra_params", None, "torch state_dict of parameters the snapshot lacks.")
+flags.DEFINE_enum("missing", "error", ["error", "init"],
+                  "Parameters no file provides: fail, or initialise them as the trainer does.")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the snapshot's iteration, else 0).")
+flags.DEFINE_bool("allow_pickle", False, "Allow full pickle (trusted files only).")
+flags.DEFINE_bool("print_table", False, "Print the key table for the config and exit.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from changecap_jax.convert import converter, mapping
+    from changecap_jax.convert.errors import ConversionError
+
+    config = FLAGS.config
+    try:
+        if FLAGS.print_table:
+            spec = mapping.get_spec(config.model.name)
+            snapshot = converter.read_official_snapshot(FLAGS.torch_checkpoint,
+                                                        allow_pickle=FLAGS.allow_pickle)
+            dataset, _ = converter.open_dataset(config)
+            sizes = converter.resolve_sizes(
+                config, spec.sizes_from_states(config.model, snapshot.states), dataset)
+            print(mapping.format_table(spec.table(config.model, sizes)))
+            return
+        if not FLAGS.workdir:
+            raise app.UsageError("--workdir is required")
+        report = converter.convert_checkpoint(
+            config, FLAGS.torch_checkpoint, FLAGS.workdir, extra_params=FLAGS.extra_params,
+            missing=FLAGS.missing, step=FLAGS.step, allow_pickle=FLAGS.allow_pickle)
+    except (ConversionError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(report.summary())
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config", "torch_checkpoint"])
+    app.run(main)

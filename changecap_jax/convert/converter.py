@@ -1,0 +1,339 @@
+"""Official PyTorch snapshot -> orbax checkpoint that the trainer restores.
+
+:func:`convert_checkpoint` (behind ``python -m changecap_jax.convert``):
+
+1. reads the snapshot (:mod:`.torch_checkpoint`; reference §3.6 / §4.5);
+2. checks that it is the model and decoder variant the config builds (:mod:`.mapping`);
+3. decides the data-dependent sizes: from the config's dataset when it is built (as the
+   trainer would: vocabulary, feature grid, ``decode.max_len`` or the dataset's caption
+   length), and otherwise from the checkpoint's own shapes;
+4. checks every torch key against the model's key table (missing, unexpected or mis-shaped keys
+   and buffer values; one message names all of them, each with both shapes) and converts it
+   (§1.1, §7);
+5. takes parameters that the official checkpoint format lacks (SCORER's CBR, S-Q1) from
+   ``--extra_params`` or, with ``--missing=init``, from the trainer's own initialisation;
+6. checks the result against the Flax model's parameter tree and writes
+   ``WORKDIR/checkpoints/<step>`` with the trainer's manager and items: ``state`` =
+   ``TrainState(step, params, fresh Adam state, PRNGKey(config.seed))`` and, when the dataset is
+   available, ``data`` = a fresh training iterator (so ``--mode=train`` can also fine-tune
+   from it). The official snapshots hold no optimizer moments, so Adam starts from zero.
+
+``step`` is the snapshot's iteration when it says (a key of the dict, else the official file name
+``<exp>_checkpoint_<t>.pt``), else 0, unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from changecap_jax.convert import mapping
+from changecap_jax.convert.errors import ConversionError, KeyMismatchError
+from changecap_jax.convert.torch_checkpoint import (
+    OfficialSnapshot,
+    read_official_snapshot,
+    read_state_dict,
+)
+
+MISSING_POLICIES = ("error", "init")
+MAX_LISTED = 30  # problems listed in an error message (all are in KeyMismatchError.problems)
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What a conversion did (``summary()`` is what the command prints)."""
+
+    checkpoint: str
+    model: str
+    variant: str | None
+    sizes: mapping.Sizes
+    dataset: str | None  # the dataset whose shapes were checked, None if unavailable
+    step: int = 0
+    workdir: str | None = None
+    converted_keys: int = 0
+    buffers_checked: list[str] = dataclasses.field(default_factory=list)
+    num_params: int = 0
+    from_extra_params: list[str] = dataclasses.field(default_factory=list)
+    initialised: list[str] = dataclasses.field(default_factory=list)
+    saved_data_iterator: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        s = self.sizes
+        lines = [
+            f"converted {self.checkpoint} ({self.model}"
+            f"{', ' + self.variant if self.variant else ''}): {self.converted_keys} torch "
+            f"tensors -> {self.num_params:,} Flax parameters",
+            f"sizes from {s.origin}: vocabulary {s.vocab_size}, max_len {s.max_len}, features "
+            f"{s.grid_height}x{s.grid_width}x{s.feature_channels}",
+            f"buffers checked, not converted: {', '.join(self.buffers_checked) or 'none'}",
+        ]
+        if self.from_extra_params:
+            lines.append(f"from --extra_params: {len(self.from_extra_params)} tensors")
+        if self.initialised:
+            lines.append(f"initialised (--missing=init), not in the checkpoint: "
+                         f"{', '.join(self.initialised)}")
+        if self.workdir:
+            lines.append(f"wrote step {self.step} to {self.workdir}/checkpoints (items: state"
+                         f"{', data' if self.saved_data_iterator else ''})")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------------------------
+
+
+def open_dataset(config: ml_collections.ConfigDict) -> tuple[Any, str | None]:
+    """The config's dataset if it is already built (never builds one), else (None, reason)."""
+    from changecap_jax.data import datasets
+
+    ds = config.dataset
+    try:
+        dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
+                                   build_if_missing=False)
+    except datasets.DatasetError as e:
+        return None, str(e)
+    return dataset, None
+
+
+def resolve_sizes(
+    config: ml_collections.ConfigDict, snapshot_sizes: mapping.Sizes, dataset: Any | None
+) -> mapping.Sizes:
+    """The sizes the trainer will build the model with (dataset) or the checkpoint's."""
+    if dataset is None:
+        max_len = config.decode.max_len or snapshot_sizes.max_len
+        return dataclasses.replace(snapshot_sizes, max_len=max_len)
+    h, w, c = dataset.meta.feature_shape
+    return mapping.Sizes(
+        vocab_size=len(dataset.vocab),
+        max_len=config.decode.max_len or dataset.meta.max_caption_len,
+        feature_channels=c, grid_height=h, grid_width=w,
+        origin=f"the config's dataset {dataset.name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(config: ml_collections.ConfigDict, sizes: mapping.Sizes) -> Any:
+    from changecap_jax import models
+
+    return models.build(config.model, vocab_size=sizes.vocab_size, max_len=sizes.max_len)
+
+
+def init_params(config: ml_collections.ConfigDict, model: Any, spec: mapping.ModelSpec,
+                sizes: mapping.Sizes, *, abstract: bool) -> dict[str, Any]:
+    """The model's parameters (shapes only when ``abstract``), drawn as Trainer.init_state."""
+    batch = spec.example_batch(model, sizes)
+    from changecap_jax.train import INIT_FOLD  # the trainer's own initialisation key
+
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), INIT_FOLD)
+    init = lambda: model.init({"params": key}, batch, train=False)["params"]  # noqa: E731
+    return jax.eval_shape(init) if abstract else jax.jit(init)()
+
+
+def _flat(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return flax.traverse_util.flatten_dict(dict(tree), sep="/")
+
+
+def convert_params(
+    config: ml_collections.ConfigDict,
+    snapshot: OfficialSnapshot,
+    sizes: mapping.Sizes,
+    *,
+    extra_states: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    missing: str = "error",
+    report: ConversionReport | None = None,
+) -> dict[str, Any]:
+    """Checked conversion of a snapshot into the Flax param tree of ``config.model``.
+
+    Args:
+      config: the run config (``model``, ``seed``).
+      snapshot: the snapshot read by :func:`read_official_snapshot`.
+      sizes: data-dependent sizes (:func:`resolve_sizes`).
+      extra_states: source name -> torch state_dict for the sources the official snapshot lacks
+        (from ``--extra_params``).
+      missing: ``"error"`` or ``"init"``: what to do with parameters no file provides.
+      report: filled in when given.
+
+    Raises:
+      WrongModelError, KeyMismatchError, ConversionError.
+    """
+    if missing not in MISSING_POLICIES:
+        raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    spec = mapping.get_spec(config.model.name)
+    entries = spec.table(config.model, sizes)
+    states: dict[str, Mapping[str, np.ndarray]] = dict(snapshot.states)
+    extra_states = dict(extra_states or {})
+    official = [s.name for s in spec.sources if s.official]
+    unofficial = [s for s in spec.sources if not s.official]
+    unknown = sorted(set(extra_states) - {s.name for s in unofficial})
+    if unknown:
+        raise ConversionError(f"--extra_params gives {unknown}, but model {spec.name!r} takes "
+                              f"extra parameters only for {[s.name for s in unofficial]}")
+    states.update(extra_states)
+    sources = official + [s.name for s in unofficial if s.name in extra_states]
+    problems = mapping.check_states(entries, states, sources)
+    if problems:
+        shown = problems[:MAX_LISTED] + (
+            [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
+        raise KeyMismatchError(
+            f"{snapshot.path} does not fit config.model ({spec.title}, sizes from "
+            f"{sizes.origin}); {len(problems)} problems:\n  " + "\n  ".join(shown), problems)
+
+    converted = mapping.apply_table(entries, states)
+    model = build_model(config, sizes)
+    abstract = _flat(init_params(config, model, spec, sizes, abstract=True))
+    internal = []
+    for path, value in converted.items():
+        if path not in abstract:
+            internal.append(f"the table maps to {path}, which is not a parameter of the model")
+        elif tuple(abstract[path].shape) != value.shape:
+            internal.append(f"{path}: converted shape {value.shape} != model shape "
+                            f"{tuple(abstract[path].shape)}")
+    if internal:
+        raise ConversionError(f"the key table of {spec.name!r} does not match the Flax model "
+                              "(a bug in changecap_jax/convert/mapping.py):\n  "
+                              + "\n  ".join(internal))
+    absent = sorted(set(abstract) - set(converted))
+    if absent:
+        not_given = [s for s in unofficial if s.name not in extra_states]
+        detail = "".join(
+            f"\n  {s.name} ({s.description}): "
+            + ", ".join(e.key for e in entries if e.source == s.name)
+            for s in not_given)
+        message = (f"{len(absent)} parameters of model {spec.name!r} are not in the official "
+                   f"checkpoint: {', '.join(absent)}{detail}")
+        if missing == "error":
+            raise ConversionError(message + "\nPass them with --extra_params=PATH (a torch "
+                                  "state_dict) or initialise them with --missing=init.")
+        logging.warning("%s; initialising them (--missing=init)", message)
+        fresh = _flat(init_params(config, model, spec, sizes, abstract=False))
+        for path in absent:
+            converted[path] = np.asarray(fresh[path])
+    if report is not None:
+        report.converted_keys = sum(1 for e in entries if e.targets and e.source in sources)
+        report.buffers_checked = [e.name for e in entries if not e.targets]
+        report.num_params = int(sum(v.size for v in converted.values()))
+        report.from_extra_params = [e.name for e in entries if e.source in extra_states]
+        report.initialised = absent
+    return flax.traverse_util.unflatten_dict(
+        {k: jnp.asarray(v) for k, v in converted.items()}, sep="/")
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def read_extra_params(
+    spec: mapping.ModelSpec, path: str | os.PathLike[str] | None, *, allow_pickle: bool = False
+) -> dict[str, dict[str, np.ndarray]]:
+    """``--extra_params``: a torch state_dict for the model's non-official source, as
+    {source name: {torch key: array}} ({} when ``path`` is None)."""
+    if path is None:
+        return {}
+    unofficial = [s.name for s in spec.sources if not s.official]
+    if not unofficial:
+        raise ConversionError(f"--extra_params was given, but the official {spec.title} "
+                              "checkpoint already holds every parameter")
+    state = read_state_dict(path, allow_pickle=allow_pickle)
+    if len(unofficial) == 1:
+        return {unofficial[0]: state}
+    raise ConversionError(f"model {spec.name!r} has several extra sources {unofficial}; "
+                          "pass one state_dict per source")  # no such model yet
+
+
+def convert_checkpoint(
+    config: ml_collections.ConfigDict,
+    torch_checkpoint: str | os.PathLike[str],
+    workdir: str | os.PathLike[str],
+    *,
+    extra_params: str | os.PathLike[str] | None = None,
+    missing: str = "error",
+    step: int | None = None,
+    allow_pickle: bool = False,
+) -> ConversionReport:
+    """Converts an official snapshot into ``workdir/checkpoints/<step>`` (module docstring).
+
+    Raises:
+      ConversionError (and its subclasses) for every problem with the inputs; the message
+      names the file, the key and both shapes where there are any.
+    """
+    from changecap_jax import train
+    from changecap_jax.data import pipeline
+
+    spec = mapping.get_spec(config.model.name)
+    snapshot = read_official_snapshot(torch_checkpoint, allow_pickle=allow_pickle)
+    spec.check_identity(config.model, snapshot.states, snapshot.model_cfg)
+    dataset, why = open_dataset(config)
+    sizes = resolve_sizes(config, spec.sizes_from_states(config.model, snapshot.states), dataset)
+    report = ConversionReport(
+        checkpoint=str(torch_checkpoint), model=spec.name,
+        variant=config.model.get("variant"), sizes=sizes,
+        dataset=None if dataset is None else dataset.name)
+    if dataset is None:
+        report.notes.append(f"the config's dataset is not available ({why}); the model is "
+                            "built from the checkpoint's shapes, which the trainer will check "
+                            "against the dataset when it restores")
+    if snapshot.ignored:
+        report.notes.append(f"ignored top-level entries of the snapshot: {list(snapshot.ignored)}")
+    extra = read_extra_params(spec, extra_params, allow_pickle=allow_pickle)
+    params = convert_params(config, snapshot, sizes, extra_states=extra, missing=missing,
+                            report=report)
+
+    if step is None:
+        step = snapshot.iteration or 0
+    if step < 0:
+        raise ConversionError(f"step must be >= 0, got {step}")
+    report.step = int(step)
+    steps_per_epoch = 1
+    if dataset is not None:
+        num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
+        steps_per_epoch = math.ceil(num_train / config.batch_size)
+    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch)
+    state = train.TrainState(step=jnp.int32(step), params=params,
+                             opt_state=optimizer.init(params),
+                             rng=jax.random.PRNGKey(config.seed))
+
+    import orbax.checkpoint as ocp
+
+    directory = Path(workdir) / "checkpoints"
+    manager = train.make_checkpoint_manager(directory, config.keep_checkpoints)
+    try:
+        if manager.all_steps():
+            raise ConversionError(
+                f"{directory} already holds checkpoints (steps {list(manager.all_steps())}); "
+                "convert into an empty workdir")
+        items = {"state": ocp.args.StandardSave(state)}
+        if dataset is not None:
+            try:
+                import grain
+
+                loader = pipeline.train_loader(
+                    dataset.split("train"), global_batch_size=config.batch_size,
+                    seed=config.seed, swap_prob=config.swap_prob)
+                items["data"] = grain.checkpoint.CheckpointSave(iter(loader))
+                report.saved_data_iterator = True
+            except ValueError as e:  # e.g. a split smaller than the batch
+                report.notes.append(f"no data iterator saved ({e})")
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+    report.workdir = str(workdir)
+    return report

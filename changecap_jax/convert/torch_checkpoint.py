@@ -1,0 +1,269 @@
+"""Reading official PyTorch snapshots (and bare state_dicts) into NumPy, with torch optional.
+
+The official SCORER / DIRL training scripts save ``experiments/<exp>/snapshots/
+<exp>_checkpoint_<t>.pt``: a dict ``{"change_detector_state": encoder.state_dict(),
+"speaker_state": decoder.state_dict(), "model_cfg": cfg}`` (``shared/reference/
+official_pytorch.md`` §3.6, §4.5). ``cfg`` is the experiment's yacs ``CfgNode``, a ``dict``
+subclass, which ``torch.load(weights_only=True)`` refuses. Loading therefore goes:
+
+1. ``torch.load(weights_only=True)`` (the safe loader; enough for every file whose
+   ``model_cfg`` is a plain dict or absent);
+2. if that refuses a Python object, a restricted unpickler that allows exactly the globals
+   torch's weights-only loader allows, plus inert ``dict`` stand-ins for the yacs config class
+   (:data:`CONFIG_STAND_INS`); nothing else is ever imported or called;
+3. full pickle (``weights_only=False``) only when the caller passes ``allow_pickle=True``
+   (``--allow_pickle``: trusted files only).
+
+Tensors come back as NumPy arrays (floating tensors as float32, reference §1.2: the ports
+compute in float32). torch is imported lazily; without it every entry point raises
+:class:`TorchUnavailableError` naming ``pip install -r requirements-torch.txt``.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import dataclasses
+import os
+import pickle
+import re
+import types
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from changecap_jax.convert.errors import CheckpointFormatError, TorchUnavailableError
+
+SNAPSHOT_STATE_KEYS = ("change_detector_state", "speaker_state")  # §3.6 / §4.5
+SNAPSHOT_KEYS = (*SNAPSHOT_STATE_KEYS, "model_cfg")
+# Top-level keys a snapshot may carry to say which iteration it is (the official ones do not;
+# the iteration is in the file name, <exp>_checkpoint_<t>.pt).
+ITERATION_KEYS = ("iteration", "iter", "step", "t")
+_FILENAME_ITERATION = re.compile(r"_checkpoint_(\d+)\.pth?$")
+
+
+class ConfigNode(dict):
+    """Inert stand-in for a pickled config object (yacs ``CfgNode``): its items as a dict and
+    its pickled attributes in ``__dict__``; no code of the original class runs."""
+
+
+# Pickled classes the restricted loader replaces with :class:`ConfigNode`.
+CONFIG_STAND_INS = ("yacs.config.CfgNode",)
+
+
+def require_torch() -> types.ModuleType:
+    """Imports torch or raises :class:`TorchUnavailableError` with the install command."""
+    try:
+        import torch
+    except ImportError as e:
+        raise TorchUnavailableError(
+            "reading PyTorch checkpoints needs PyTorch, an optional dependency of "
+            "changecap_jax: pip install -r requirements-torch.txt"
+        ) from e
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _restricted_pickle_module() -> types.ModuleType:
+    """A ``pickle_module`` for ``torch.load`` whose unpickler resolves only torch's weights-only
+    allowlist and the config stand-ins."""
+    from torch import _weights_only_unpickler
+
+    allowed = dict(_weights_only_unpickler._get_allowed_globals())
+
+    class RestrictedUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            # Protocol-2 files name Python-2 modules (__builtin__.set); map them as pickle does.
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+            qualified = f"{module}.{name}"
+            if qualified in allowed:
+                return allowed[qualified]
+            if qualified in CONFIG_STAND_INS:
+                return ConfigNode
+            raise pickle.UnpicklingError(
+                f"the file pickles the Python object {qualified}, which the safe loader does "
+                "not construct"
+            )
+
+    module = types.ModuleType("changecap_restricted_pickle")
+    module.Unpickler = RestrictedUnpickler
+    module.load = lambda f, **kwargs: RestrictedUnpickler(f, **kwargs).load()
+    return module
+
+
+def _describe_load_failure(path: Path, error: BaseException) -> str:
+    kind = "torch zip archive" if zipfile.is_zipfile(path) else "legacy torch file"
+    return (f"{path} is a damaged or truncated {kind} ({path.stat().st_size} bytes): "
+            f"{type(error).__name__}: {error}")
+
+
+def _sniff(path: Path) -> None:
+    """Rejects files that are neither a torch zip archive nor a (legacy) torch pickle."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointFormatError(f"{path} is empty (0 bytes)")
+    if zipfile.is_zipfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == b"PK":
+        raise CheckpointFormatError(
+            f"{path} is a truncated or damaged torch zip archive ({size} bytes; no zip directory)")
+    if head[:1] != b"\x80":  # every pickle of protocol >= 2 starts with PROTO
+        raise CheckpointFormatError(
+            f"{path} is not a PyTorch checkpoint (neither a torch zip archive nor a pickle; "
+            f"{size} bytes starting with {head!r})")
+
+
+def load_torch_file(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Any:
+    """``torch.load`` of ``path`` on CPU, as safely as the file allows (module docstring).
+
+    Raises:
+      FileNotFoundError: no such file.
+      CheckpointFormatError: truncated, damaged or not a torch file; or it pickles Python
+        objects that only full pickle can build and ``allow_pickle`` is False.
+      TorchUnavailableError: torch is not installed.
+    """
+    torch = require_torch()
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file {path}")
+    _sniff(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        weights_only_error = e
+    except Exception as e:  # torch raises RuntimeError / EOFError / ... for damaged files
+        raise CheckpointFormatError(_describe_load_failure(path, e)) from e
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False,
+                          pickle_module=_restricted_pickle_module())
+    except pickle.UnpicklingError as e:
+        restricted_error = e
+    except Exception as e:
+        raise CheckpointFormatError(_describe_load_failure(path, e)) from e
+    if not allow_pickle:
+        raise CheckpointFormatError(
+            f"{path} cannot be read with the safe loaders: {restricted_error}. If you trust the "
+            "file, pass --allow_pickle (full pickle; it can run arbitrary code)."
+        ) from weights_only_error
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointFormatError(_describe_load_failure(path, e)) from e
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts as NumPy
+# ---------------------------------------------------------------------------------------------
+
+
+def state_dict_to_numpy(state: Any, where: str) -> dict[str, np.ndarray]:
+    """A torch state_dict (str -> Tensor) as str -> NumPy; floating tensors become float32.
+
+    Raises CheckpointFormatError for a non-mapping, a non-string key or a non-tensor value.
+    """
+    torch = require_torch()
+    if not isinstance(state, Mapping):
+        raise CheckpointFormatError(
+            f"{where} must be a state_dict (a dict of name -> tensor), got {type(state).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{where} has a non-string key {key!r}")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointFormatError(
+                f"{where}[{key!r}] is a {type(value).__name__}, not a tensor")
+        tensor = value.detach().cpu()
+        if tensor.is_floating_point():
+            tensor = tensor.float()
+        out[key] = tensor.numpy().copy()
+    return out
+
+
+@dataclasses.dataclass
+class OfficialSnapshot:
+    """An official snapshot read into NumPy.
+
+    Attributes:
+      path: the file.
+      states: ``"change_detector_state"`` / ``"speaker_state"`` -> {torch key: array}.
+      model_cfg: the pickled config as nested dicts (``ConfigNode`` for yacs nodes), or None.
+      iteration: the training iteration, from an iteration key of the dict or else the
+        official file name ``..._checkpoint_<t>.pt``; None when neither says.
+      ignored: other top-level keys of the dict (not used).
+    """
+
+    path: Path
+    states: dict[str, dict[str, np.ndarray]]
+    model_cfg: Any
+    iteration: int | None
+    ignored: tuple[str, ...] = ()
+
+
+def _preview(keys: list[Any], n: int = 6) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)} keys)"
+
+
+def read_official_snapshot(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> OfficialSnapshot:
+    """Reads an official SCORER / DIRL snapshot (§3.6, §4.5).
+
+    Raises:
+      CheckpointFormatError: the file is unreadable (:func:`load_torch_file`) or is not such a
+        dict: e.g. a bare state_dict, a list, or a dict without both state keys.
+    """
+    path = Path(path)
+    obj = load_torch_file(path, allow_pickle=allow_pickle)
+    expected = ("expected the dict the official training scripts save: {'change_detector_state': "
+                "..., 'speaker_state': ..., 'model_cfg': ...} (reference §3.6 / §4.5)")
+    if not isinstance(obj, Mapping):
+        raise CheckpointFormatError(
+            f"{path} is not an official snapshot: it holds a {type(obj).__name__}; {expected}")
+    keys = list(obj)
+    missing = [k for k in SNAPSHOT_STATE_KEYS if k not in obj]
+    if missing:
+        torch = require_torch()
+        if keys and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CheckpointFormatError(
+                f"{path} is a bare state_dict {_preview(keys)}, not an official snapshot; "
+                f"{expected}. A state_dict of parameters the snapshot lacks (e.g. SCORER's CBR) "
+                "goes to --extra_params.")
+        raise CheckpointFormatError(
+            f"{path} is not an official snapshot: its dict lacks {missing} (it has "
+            f"{_preview(keys)}); {expected}")
+    states = {k: state_dict_to_numpy(obj[k], f"{path}: {k}") for k in SNAPSHOT_STATE_KEYS}
+    iteration = None
+    for key in ITERATION_KEYS:
+        value = obj.get(key)
+        if isinstance(value, int | np.integer) and not isinstance(value, bool):
+            iteration = int(value)
+            break
+    if iteration is None:
+        match = _FILENAME_ITERATION.search(path.name)
+        iteration = int(match.group(1)) if match else None
+    ignored = tuple(str(k) for k in keys if k not in SNAPSHOT_KEYS and k not in ITERATION_KEYS)
+    return OfficialSnapshot(path, states, obj.get("model_cfg"), iteration, ignored)
+
+
+def read_state_dict(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> dict[str, np.ndarray]:
+    """Reads a bare torch state_dict file (``torch.save(module.state_dict(), path)``), e.g. the
+    CBR weights for ``--extra_params`` (§7 item 6). An official snapshot is refused."""
+    path = Path(path)
+    obj = load_torch_file(path, allow_pickle=allow_pickle)
+    if isinstance(obj, Mapping) and any(k in obj for k in SNAPSHOT_STATE_KEYS):
+        raise CheckpointFormatError(
+            f"{path} is an official snapshot; --extra_params takes a bare state_dict")
+    return state_dict_to_numpy(obj, str(path))
