@@ -12,6 +12,8 @@ Reference: ``reference/official_pytorch.md`` §4.1 step 2 (Barlow-style DIRL los
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -130,3 +132,219 @@ def caption_cross_entropy(logits: Array, targets: Array, *, axis_name: AxisName 
     total = _psum(jnp.sum(jnp.where(valid, nll, 0.0)), axis_name)
     count = _psum(jnp.sum(valid), axis_name)
     return total / count
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-wise matching (SCORER §3.1 step 4, §3.3 step 3, §3.4)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_tokens(q: Array, k: Array) -> None:
+    if q.ndim != 3 or k.ndim != 3 or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must be (B, N, D) and (B', M, D) token sets, got {q.shape} and {k.shape}"
+        )
+
+
+def _mtm(q: Array, k: Array, precision: jax.lax.PrecisionLike) -> Array:
+    """S[a, b] = 1/2 (mean_l max_m R + mean_m max_l R), R[a, b, l, m] = <q[a, l], k[b, m]>."""
+    r = jnp.einsum("ald,bmd->ablm", q, k, precision=precision)
+    return 0.5 * (jnp.mean(jnp.max(r, axis=3), axis=2) + jnp.mean(jnp.max(r, axis=2), axis=2))
+
+
+def token_matching_similarity_naive(
+    q: Array, k: Array, *, precision: jax.lax.PrecisionLike = None
+) -> Array:
+    """SCORER's token-wise matching (MTM) with the whole (Bq, Bk, N, M) tensor R in memory.
+
+    For tests and measurement only (2.5 GB at Bq = Bk = 128, N = M = 196 in float32); the
+    training path is :func:`token_matching_similarity`.
+    """
+    _check_tokens(q, k)
+    return _mtm(q, k, precision)
+
+
+def _mtm_chunk(q: Array, kc: Array, precision: jax.lax.PrecisionLike) -> tuple[Array, ...]:
+    """One chunk of columns: S (Bq, c) and where the maxima are, (Bq, c, N) and (Bq, c, M)."""
+    r = jnp.einsum("ald,bmd->ablm", q, kc, precision=precision)
+    row_arg, col_arg = jnp.argmax(r, axis=3), jnp.argmax(r, axis=2)
+    row_max = jnp.take_along_axis(r, row_arg[..., None], axis=3)[..., 0]
+    col_max = jnp.take_along_axis(r, col_arg[..., None, :], axis=2)[..., 0, :]
+    s = 0.5 * (jnp.mean(row_max, axis=2) + jnp.mean(col_max, axis=2))
+    return s, row_arg.astype(jnp.int32), col_arg.astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mtm_chunked(q: Array, k_chunks: Array, precision: jax.lax.PrecisionLike) -> Array:
+    """(Bq, N, D) x (C, c, M, D) chunks -> S (C, Bq, c), with an argmax backward pass."""
+    return jax.lax.map(lambda kc: _mtm(q, kc, precision), k_chunks)  # no argmax unless needed
+
+
+def _mtm_chunked_fwd(q: Array, k_chunks: Array, precision: jax.lax.PrecisionLike) -> tuple:
+    s, row_arg, col_arg = jax.lax.map(lambda kc: _mtm_chunk(q, kc, precision), k_chunks)
+    # Residuals: the positions of the maxima, (C, Bq, c, N + M) int32, instead of R.
+    return s, (q, k_chunks, row_arg, col_arg)
+
+
+def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> tuple:
+    # dS[a, b] / dR[a, b, l, m] = 1/(2N) [m = argmax_m' R[a, b, l, m']]
+    #                            + 1/(2M) [l = argmax_l' R[a, b, l', m]]
+    q, k_chunks, row_arg, col_arg = res
+    n, m = q.shape[1], k_chunks.shape[2]
+
+    def chunk(dq: Array, xs: tuple) -> tuple[Array, Array]:
+        kc, ra, ca, gc = xs
+        w = 0.5 * gc[..., None, None]
+        dr = (w / n) * jax.nn.one_hot(ra, m, dtype=q.dtype) + (w / m) * jnp.swapaxes(
+            jax.nn.one_hot(ca, n, dtype=q.dtype), 2, 3)
+        dq = dq + jnp.einsum("ablm,bmd->ald", dr, kc, precision=precision)
+        return dq, jnp.einsum("ablm,ald->bmd", dr, q, precision=precision)
+
+    dq, dk = jax.lax.scan(chunk, jnp.zeros_like(q), (k_chunks, row_arg, col_arg, g))
+    return dq, dk
+
+
+_mtm_chunked.defvjp(_mtm_chunked_fwd, _mtm_chunked_bwd)
+
+
+def token_matching_similarity(
+    q: Array,
+    k: Array,
+    *,
+    chunk_size: int = 8,
+    precision: jax.lax.PrecisionLike = None,
+    backward: str = "argmax",
+) -> Array:
+    """SCORER's token-wise matching similarity, (Bq, N, D) x (Bk, M, D) -> (Bq, Bk).
+
+    S[a, b] = 1/2 ((1/N) sum_l max_m R[a, b, l, m] + (1/M) sum_m max_l R[a, b, l, m]) with raw
+    dot products R[a, b, l, m] = <q[a, l], k[b, m]> over all D channels: no 1/sqrt(d), heads
+    summed before the max (official ``models/SCORER.py:60-70``, S-Q2). The logit scale is the
+    caller's.
+
+    Memory: ``k`` is processed ``chunk_size`` rows at a time (``jax.lax.map``) and each chunk's
+    token maxima are reduced at once, so at most one (Bq, chunk_size, N, M) block of R exists
+    at a time instead of the whole (Bq, Bk, N, M). ``chunk_size`` need not divide Bk (k is
+    zero-padded; the padded columns are dropped before anything reads them).
+
+    Backward pass: ``"argmax"`` (default) keeps only where each maximum is (int32, Bq*Bk*(N+M))
+    and sends the gradient there, chunk by chunk (a custom VJP: one dense pass forward, two
+    backward, nothing recomputed). ``"remat"`` differentiates the chunked forward with
+    ``jax.checkpoint`` (each chunk recomputed; ``jnp.max``'s rule, which splits the gradient
+    between exactly tied maxima where "argmax" gives it to the first). Same values otherwise.
+    """
+    _check_tokens(q, k)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if backward not in ("argmax", "remat"):
+        raise ValueError(f"backward must be 'argmax' or 'remat', got {backward!r}")
+    bq, bk = q.shape[0], k.shape[0]
+    chunk_size = min(chunk_size, bk)
+    num_chunks = -(-bk // chunk_size)
+    k = jnp.pad(k, ((0, num_chunks * chunk_size - bk), (0, 0), (0, 0)))
+    k_chunks = k.reshape(num_chunks, chunk_size, *k.shape[1:])
+    if backward == "argmax":
+        s = _mtm_chunked(q, k_chunks, precision)
+    else:
+        s = jax.lax.map(jax.checkpoint(lambda kc: _mtm(q, kc, precision)), k_chunks)
+    # (num_chunks, Bq, chunk_size) -> (Bq, Bk)
+    return jnp.moveaxis(s, 0, 1).reshape(bq, num_chunks * chunk_size)[:, :bk]
+
+
+def _gather_batch(x: Array, axis_name: AxisName) -> tuple[Array, Array | int]:
+    """All rows of the global batch and the offset of this device's rows in it."""
+    if axis_name is None:
+        return x, 0
+    gathered = jax.lax.all_gather(x, axis_name, tiled=True)
+    return gathered, jax.lax.axis_index(axis_name) * x.shape[0]
+
+
+def _matching_rows(
+    q: Array,
+    k: Array,
+    logit_scale: Array,
+    axis_name: AxisName,
+    chunk_size: int,
+    naive: bool,
+    precision: jax.lax.PrecisionLike,
+    backward: str,
+) -> tuple[Array, Array | int]:
+    """This device's rows of S = exp(logit_scale) * MTM(q, k_all) (k gathered over the batch)
+    and the offset of those rows in the global batch."""
+    _check_tokens(q, k)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must hold the same rows, got {q.shape[0]} and {k.shape[0]}")
+    q, k = _float(q), _float(k)
+    k_all, offset = _gather_batch(k, axis_name)
+    if naive:
+        sim = token_matching_similarity_naive(q, k_all, precision=precision)
+    else:
+        sim = token_matching_similarity(q, k_all, chunk_size=chunk_size, precision=precision,
+                                        backward=backward)
+    return jnp.exp(_float(jnp.asarray(logit_scale))) * sim, offset
+
+
+def _diagonal_nll_mean(logits: Array, offset: Array | int, axis_name: AxisName) -> Array:
+    """Mean over the global rows a of -log softmax(logits[a])[a]; local rows start at offset."""
+    b_local = logits.shape[0]
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(b_local)
+    nll = -log_probs[rows, offset + rows]
+    return _psum(jnp.sum(nll), axis_name) / (b_local * _axis_size(axis_name))
+
+
+def matching_contrastive_loss(
+    q: Array,
+    k: Array,
+    logit_scale: Array,
+    *,
+    axis_name: AxisName = None,
+    chunk_size: int = 8,
+    naive: bool = False,
+    precision: jax.lax.PrecisionLike = None,
+    backward: str = "argmax",
+) -> Array:
+    """Row InfoNCE over S = exp(logit_scale) * MTM(q, k) on the GLOBAL batch (§3.4 ``CrossEn``).
+
+    Args:
+      q: (B, N, D) query tokens of this device's rows a (e.g. the last SCORER layer's query
+        projection of the "before" tokens).
+      k: (B, M, D) key tokens of this device's rows; gathered over ``axis_name`` so that every
+        global row b is a candidate column.
+      logit_scale: scalar log of the multiplier (the official learnable ``logit_scale``).
+      axis_name: mesh axis the batch is split over, or None.
+      chunk_size, precision, backward: see :func:`token_matching_similarity`.
+      naive: use :func:`token_matching_similarity_naive` (tests / measurement only).
+
+    Returns mean over the global rows a of -log softmax_b(S[a, b])[a]. Each device computes only
+    its rows of S (its own q against the gathered k) and the row losses are summed with psum.
+    """
+    logits, offset = _matching_rows(q, k, logit_scale, axis_name, chunk_size, naive, precision,
+                                    backward)
+    return _diagonal_nll_mean(logits, offset, axis_name)
+
+
+def symmetric_matching_contrastive_loss(
+    q: Array,
+    k: Array,
+    logit_scale: Array,
+    *,
+    axis_name: AxisName = None,
+    chunk_size: int = 8,
+    naive: bool = False,
+    precision: jax.lax.PrecisionLike = None,
+    backward: str = "argmax",
+) -> Array:
+    """1/2 [rowCE(S) + rowCE(S^T)], S = exp(logit_scale) * MTM(q, k), on the GLOBAL batch (CBR's
+    loss, §3.3 step 4), from ONE matching computation as the official code.
+
+    Arguments as :func:`matching_contrastive_loss`. Each device computes its rows of S, the
+    (B, B) matrix is gathered (B^2 floats), and each device takes the row losses of S^T for its
+    own rows b, i.e. the columns b of S.
+    """
+    logits, offset = _matching_rows(q, k, logit_scale, axis_name, chunk_size, naive, precision,
+                                    backward)
+    full = logits if axis_name is None else jax.lax.all_gather(logits, axis_name, tiled=True)
+    transposed = jax.lax.dynamic_slice_in_dim(full, offset, logits.shape[0], axis=1).T
+    return 0.5 * (_diagonal_nll_mean(logits, offset, axis_name)
+                  + _diagonal_nll_mean(transposed, offset, axis_name))

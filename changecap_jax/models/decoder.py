@@ -1,0 +1,255 @@
+"""The transformer caption decoder family.
+
+:class:`Speaker` is SCORER's caption decoder (official ``models/transformer_decoder.py``,
+reference ``shared/reference/official_pytorch.md`` §3.2, cited as §N below); the Subtraction
+baseline uses it unchanged. It is a 2-layer post-LN transformer decoder with the official
+code's quirks reproduced:
+
+* word vectors: ``embed`` (V, 300) + a fixed sinusoid PE(300), then ``fc`` = Linear 300 -> 512
+  -> Dropout -> LayerNorm (eps 1e-6);
+* attention blocks have q/k/v projections but NO output projection (S-Q5), and masks are
+  additive ``(1 - A) * -10000`` (S-Q6), A[b, i, j] = mask[b, j] * [j <= i]; the cross-attention
+  to the visual memory has no mask;
+* the FFN residual adds the GELU output, not the sub-layer input (S-Q4):
+  g = GELU_erf(dense(a2)), out = LN(Dropout(dense(g)) + g), which needs FFN width == hidden;
+* init (§3.5): every Linear / Embedding weight ~ N(0, 0.02^2) (this overwrites the padding row,
+  S-Q7), biases 0, LayerNorm 1/0.
+
+Parameter paths (torch key of ``speaker_state`` with ``core.`` dropped; Linear weights
+transposed, LayerNorm weight -> scale) are listed in :mod:`changecap_jax.models.scorer`.
+
+Incremental decoding (:meth:`Speaker.init_cache` / :meth:`Speaker.step`) keeps per-layer
+self-attention keys/values and the cross-attention keys/values of the memory in the 'cache'
+collection; it equals rerunning the whole decoder on the growing prefix (§3.7).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from changecap_jax.models.dirl import caption_mask
+from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
+
+Array = jax.Array
+
+MASK_VALUE = -10000.0  # additive mask value of the official attention (S-Q6)
+speaker_init: Initializer = nn.initializers.normal(stddev=0.02)  # §3.5 init_weights
+
+
+def multi_head_attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    num_heads: int,
+    *,
+    additive_mask: Array | None = None,
+    dropout: nn.Dropout | None = None,
+    deterministic: bool = True,
+) -> Array:
+    """softmax(Q_h K_h^T / sqrt(d_h) [+ mask]) -> dropout -> . V_h, heads merged; no output
+    projection (the official SCORER encoder and decoder attention, §3.1 step 4 / §3.2).
+
+    q (B, Lq, E), k/v (B, Lk, E); ``additive_mask`` broadcastable to (B, Lq, Lk).
+    """
+    b, lq, e = q.shape
+    dh = e // num_heads
+    qh = q.reshape(b, lq, num_heads, dh)
+    kh = k.reshape(b, k.shape[1], num_heads, dh)
+    vh = v.reshape(b, v.shape[1], num_heads, dh)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", qh, kh) / math.sqrt(dh)
+    if additive_mask is not None:
+        scores = scores + additive_mask[:, None]
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout is not None:
+        probs = dropout(probs, deterministic=deterministic)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, vh).reshape(b, lq, e)
+
+
+def speaker_self_mask(ids: Array) -> Array:
+    """§3.2 step 1: additive (B, Lt, Lt) mask (1 - A) * -10000, A[b, i, j] = mask[b, j] [j <= i],
+    mask = the caption mask of §2.5 item 5 (START..END)."""
+    lt = ids.shape[1]
+    causal = jnp.tril(jnp.ones((lt, lt), jnp.float32))
+    allowed = caption_mask(ids).astype(jnp.float32)[:, None, :] * causal[None]
+    return (1.0 - allowed) * MASK_VALUE
+
+
+class SpeakerAttention(nn.Module):
+    """torch ``self_attention`` / ``dec_enc_attention``: q/k/v Linear, no output projection,
+    attention dropout; with a key/value cache for incremental decoding."""
+
+    hidden_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+
+    def setup(self) -> None:
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"hidden_dim {self.hidden_dim} is not divisible by num_heads "
+                             f"{self.num_heads}")
+        dense = lambda: TorchDense(self.hidden_dim, kernel_init=speaker_init, bias_init="zeros")
+        self.query, self.key, self.value = dense(), dense(), dense()
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(
+        self, x_q: Array, x_kv: Array, additive_mask: Array | None = None, *,
+        deterministic: bool = True,
+    ) -> Array:
+        return multi_head_attend(
+            self.query(x_q), self.key(x_kv), self.value(x_kv), self.num_heads,
+            additive_mask=additive_mask, dropout=self.dropout, deterministic=deterministic)
+
+    # ---- incremental decoding (eval mode) -------------------------------------------------
+
+    def init_self_cache(self, batch_size: int, max_len: int) -> None:
+        shape = (batch_size, max_len, self.hidden_dim)
+        self.put_variable("cache", "cached_key", jnp.zeros(shape, jnp.float32))
+        self.put_variable("cache", "cached_value", jnp.zeros(shape, jnp.float32))
+
+    def init_cross_cache(self, memory: Array) -> None:
+        self.put_variable("cache", "memory_key", self.key(memory))
+        self.put_variable("cache", "memory_value", self.value(memory))
+
+    def step_self(self, x: Array, index: Array) -> Array:
+        """x (B, 1, E) at position ``index`` attends to positions 0..index (full-recompute row
+        ``index`` of the causal mask; later positions get the additive -10000)."""
+        keys = jax.lax.dynamic_update_slice(
+            self.get_variable("cache", "cached_key"), self.key(x), (0, index, 0))
+        values = jax.lax.dynamic_update_slice(
+            self.get_variable("cache", "cached_value"), self.value(x), (0, index, 0))
+        self.put_variable("cache", "cached_key", keys)
+        self.put_variable("cache", "cached_value", values)
+        visible = (jnp.arange(keys.shape[1]) <= index).astype(jnp.float32)
+        mask = ((1.0 - visible) * MASK_VALUE)[None, None, :]
+        return multi_head_attend(self.query(x), keys, values, self.num_heads, additive_mask=mask)
+
+    def step_cross(self, x: Array) -> Array:
+        keys = self.get_variable("cache", "memory_key")
+        values = self.get_variable("cache", "memory_value")
+        return multi_head_attend(self.query(x), keys, values, self.num_heads)
+
+
+class Intermediate(nn.Module):
+    """torch ``hidden_intermediate``: g = GELU_erf(dense(x)) (exact erf GELU, §1.2)."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        dense = TorchDense(self.features, kernel_init=speaker_init, bias_init="zeros",
+                           name="dense")
+        return jax.nn.gelu(dense(x), approximate=False)
+
+
+class Output(nn.Module):
+    """torch ``output``: LayerNorm(Dropout(dense(g)) + g), the residual is g itself (S-Q4)."""
+
+    features: int
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, g: Array, *, deterministic: bool = True) -> Array:
+        if g.shape[-1] != self.features:
+            raise ValueError(f"the Speaker FFN residual adds the GELU output (width "
+                             f"{g.shape[-1]}) to the FFN output (width {self.features}); "
+                             "they must be equal")
+        y = TorchDense(self.features, kernel_init=speaker_init, bias_init="zeros",
+                       name="dense")(g)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        return torch_layer_norm(self.layer_norm_eps, name="LayerNorm")(y + g)
+
+
+class SpeakerLayer(nn.Module):
+    """One post-LN decoder layer, torch ``core.layer.{l}`` (§3.2 steps 1-4)."""
+
+    hidden_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    def setup(self) -> None:
+        attention = lambda: SpeakerAttention(self.hidden_dim, self.num_heads, self.dropout_rate)
+        self.self_attention = attention()
+        self.norm1 = torch_layer_norm(self.layer_norm_eps)
+        self.dec_enc_attention = attention()
+        self.hidden_intermediate = Intermediate(self.hidden_dim)
+        self.norm2 = torch_layer_norm(self.layer_norm_eps)
+        self.output = Output(self.hidden_dim, self.dropout_rate, self.layer_norm_eps)
+
+    def __call__(
+        self, h: Array, memory: Array, self_mask: Array, *, deterministic: bool = True
+    ) -> Array:
+        a1 = self.norm1(self.self_attention(h, h, self_mask, deterministic=deterministic) + h)
+        a2 = self.norm2(a1 + self.dec_enc_attention(a1, memory, deterministic=deterministic))
+        return self.output(self.hidden_intermediate(a2), deterministic=deterministic)
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        self.self_attention.init_self_cache(memory.shape[0], max_len)
+        self.dec_enc_attention.init_cross_cache(memory)
+
+    def step(self, h: Array, index: Array) -> Array:
+        a1 = self.norm1(self.self_attention.step_self(h, index) + h)
+        a2 = self.norm2(a1 + self.dec_enc_attention.step_cross(a1))
+        return self.output(self.hidden_intermediate(a2))
+
+
+class Speaker(nn.Module):
+    """SCORER's caption decoder (torch ``Speaker``: ``core`` + ``logit``, §3.2)."""
+
+    vocab_size: int
+    max_len: int
+    hidden_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 2
+    word_dim: int = 300
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    def setup(self) -> None:
+        self.embed = nn.Embed(self.vocab_size, self.word_dim, embedding_init=speaker_init)
+        # Fixed buffer core.position_enc.pe: a constant, never trained.
+        self.pe = sinusoid_table(self.max_len, self.word_dim)
+        self.fc_0 = TorchDense(self.hidden_dim, kernel_init=speaker_init, bias_init="zeros")
+        self.fc_2 = torch_layer_norm(self.layer_norm_eps)
+        self.dropout = nn.Dropout(self.dropout_rate)
+        self.layer = [
+            SpeakerLayer(self.hidden_dim, self.num_heads, self.dropout_rate, self.layer_norm_eps)
+            for _ in range(self.num_layers)
+        ]
+        self.logit = TorchDense(self.vocab_size, kernel_init=speaker_init, bias_init="zeros")
+
+    def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
+        """``fc``(embed(ids) + pe): Linear -> Dropout -> LayerNorm."""
+        x = self.dropout(self.fc_0(self.embed(ids) + pe), deterministic=deterministic)
+        return self.fc_2(x)
+
+    def __call__(self, memory: Array, ids: Array, *, train: bool) -> tuple[Array, Array]:
+        """Teacher-forced pass: ids (B, Lt) (START at 0) -> (logits (B, Lt, V), the last layer's
+        output (B, Lt, hidden), which is CBR's sentence input)."""
+        deterministic = not train
+        lt = ids.shape[1]
+        if lt > self.max_len:
+            raise ValueError(f"caption length {lt} exceeds max_len {self.max_len} (PE rows)")
+        h = self._words(ids, jnp.asarray(self.pe[:lt])[None], deterministic)
+        self_mask = speaker_self_mask(ids)
+        for layer in self.layer:
+            h = layer(h, memory, self_mask, deterministic=deterministic)
+        return self.logit(h), h
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        if max_len > self.max_len:
+            raise ValueError(f"decode length {max_len} exceeds max_len {self.max_len} (PE rows)")
+        for layer in self.layer:
+            layer.init_cache(memory, max_len)
+
+    def step(self, token: Array, index: Array) -> Array:
+        """token (B,) at position ``index`` -> next-token logits (B, V); eval mode."""
+        pe = jnp.asarray(self.pe)[index][None, None]
+        h = self._words(token[:, None], pe, True)
+        for layer in self.layer:
+            h = layer.step(h, index)
+        return self.logit(h[:, 0])

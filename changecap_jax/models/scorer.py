@@ -1,0 +1,498 @@
+"""SCORER + CBR (Tu et al., ICCV 2023): self-supervised cross-view representation reconstruction
+with cross-modal backward reasoning, as the official code ``tuyunbin/SCORER`` computes it.
+
+Section numbers (§) refer to ``shared/reference/official_pytorch.md``; "paper Eq. N" to
+``shared/papers/scorer_iccv2023.txt``.
+
+Method
+------
+1. Cross-view image pair encoding (paper Eq. 1; §3.1 steps 1-3). Each grid (B, H, W, C)
+   (C = 1024 ResNet-101 layer3 channels, + 2 AddSpatialInfo coordinates on CLEVR-Change, §2.3)
+   goes through a 1x1 projection to 512 (a Dense over channels), gets the learned 2-D grid
+   position embedding added and is flattened row-major to tokens X0 (B, H*W, 512).
+2. SCORER layers (paper Eq. 2-6; §3.1 step 4). Each layer projects q/k/v and reconstructs the
+   unchanged features by multi-head cross-attention WITHOUT an output projection, followed by
+   LN(ctx + x) (eps 1e-6). One layer's weights serve both directions and the update is
+   simultaneous: (X1, X2) <- (Layer(X1, X2), Layer(X2, X1)).
+3. View-invariant representation learning (paper Eq. 2-4; §3.1 step 4, §3.4). In the LAST layer
+   only, the token-wise matching S = exp(logit_scale) * MTM(q, k) is formed over the global
+   batch (:func:`changecap_jax.losses.matching_contrastive_loss`) for both directions: S1 with
+   the before-queries against the after-keys, S2 with the roles swapped;
+   L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2).
+4. Difference representation (paper Eq. 7; §3.1 step 5): memory = ReLU(Dropout(Linear(
+   cat(X1, X2)))), before first.
+5. Caption generation (paper Eq. 8; §3.2): :class:`~changecap_jax.models.decoder.Speaker`.
+6. CBR (paper Eq. 9-11; §3.3). The sentence vector s = the caption-masked SUM of the last
+   decoder layer's output divided by the padded length Lt (S-Q8) is broadcast over the grid and
+   concatenated with X0_bef (the features BEFORE the SCORER layers); conv1 (1x1) -> multi-head
+   self-attention without biases, residual or LN -> conv2 (1x1) gives the "hallucination" H;
+   L_cbr = 1/2 (rowCE(S) + rowCE(S^T)) with S = exp(ls_c) * MTM(query(H), key(X0_aft)), one
+   matching whose transpose gives the second direction
+   (:func:`changecap_jax.losses.symmetric_matching_contrastive_loss`).
+7. Objective (§3.4). CLEVR-Change: the model runs on (before, after_semantic, change_caption) and
+   (before, after_distractor, no_change_caption); each aux loss is the mean of the two pairs and
+   the trainer adds cap + 0.1 sim + 0.001 cbr. The official optimiser never updates CBR (S-Q1):
+   its params form the top-level group ``cbr``, which the paper presets freeze
+   (``optim.frozen=("cbr",)``); the loss still trains the encoder and decoder through it. After
+   every update :meth:`SCORERCBR.post_update` clamps the last layer's logit scale (and CBR's) to
+   <= ln 100; the earlier layers' scales are never used (S-Q3).
+
+Official state_dict key -> Flax param path (Appendix A)
+--------------------------------------------------------
+Mechanical rules (§1.1): ``.`` -> ``/``; a list / Sequential index ``name.N`` -> ``name_N``;
+Linear ``weight`` (out, in) -> ``kernel`` = weight.T; 1x1 Conv2d ``weight`` (out, in, 1, 1) ->
+``kernel`` = weight[:, :, 0, 0].T; Embedding ``weight`` -> ``embedding`` (nn.Embed) or the table
+itself (grid PE); LayerNorm ``weight`` -> ``scale``; ``bias`` unchanged; 0-d ``logit_scale``
+unchanged (0-d). ``change_detector_state`` keys live under ``params['encoder']``,
+``speaker_state`` keys (prefix ``core.`` dropped) under ``params['decoder']``, the (never
+checkpointed) CBR ``generator`` keys under ``params['cbr']``. {l} is the layer index.
+
+=============================================  ================================================
+torch key (shape)                              Flax path (shape) = conversion
+=============================================  ================================================
+img.0.weight (512, C, 1, 1)                    encoder/img_0/kernel (C, 512) = w[:, :, 0, 0].T
+img.0.bias (512)                               encoder/img_0/bias
+w_embedding.weight (14, 256)                   encoder/pos_embedding/w_embedding (unchanged)
+h_embedding.weight (14, 256)                   encoder/pos_embedding/h_embedding (unchanged)
+scorer.{l}.attention.logit_scale ()            encoder/scorer_{l}/attention/logit_scale ()
+scorer.{l}.attention.{query,key,value}.weight  encoder/scorer_{l}/attention/{query,key,value}/
+                                               kernel = weight.T
+scorer.{l}.attention.{query,key,value}.bias    encoder/scorer_{l}/attention/{query,key,value}/bias
+scorer.{l}.attention.layer_norm.weight / bias  encoder/scorer_{l}/attention/layer_norm/scale / bias
+embed_fc.0.weight (512, 1024) / bias           encoder/embed_fc_0/kernel (T) / bias
+core.embed.weight (V, 300)                     decoder/embed/embedding (unchanged)
+core.position_enc.pe (24, 300) [buffer]        not a param: the constant sinusoid_table(max_len,
+                                               word_dim); a converter should assert allclose
+core.fc.0.weight (512, 300) / bias             decoder/fc_0/kernel (T) / bias
+core.fc.2.weight / bias (LayerNorm)            decoder/fc_2/scale / bias
+core.layer.{l}.self_attention.{query,key,      decoder/layer_{l}/self_attention/{query,key,
+  value}.weight / bias                           value}/kernel (T) / bias
+core.layer.{l}.norm1.weight / bias             decoder/layer_{l}/norm1/scale / bias
+core.layer.{l}.dec_enc_attention.{query,key,   decoder/layer_{l}/dec_enc_attention/{query,key,
+  value}.weight / bias                           value}/kernel (T) / bias
+core.layer.{l}.hidden_intermediate.dense.      decoder/layer_{l}/hidden_intermediate/dense/
+  weight / bias                                  kernel (T) / bias
+core.layer.{l}.norm2.weight / bias             decoder/layer_{l}/norm2/scale / bias
+core.layer.{l}.output.dense.weight / bias      decoder/layer_{l}/output/dense/kernel (T) / bias
+core.layer.{l}.output.LayerNorm.weight / bias  decoder/layer_{l}/output/LayerNorm/scale / bias
+logit.weight (V, 512) / bias (V)               decoder/logit/kernel (512, V) (T) / bias
+conv1.weight (512, 1024, 1, 1) / bias          cbr/conv1/kernel (1024, 512) = w[:, :, 0, 0].T
+                                               / bias
+mh_att.in_proj_weight (1536, 512)              cbr/mh_att/q_proj/kernel = w[0:512].T,
+                                               k_proj/kernel = w[512:1024].T,
+                                               v_proj/kernel = w[1024:1536].T (no biases)
+mh_att.out_proj.weight (512, 512)              cbr/mh_att/out_proj/kernel = weight.T (no bias)
+conv2.0.weight (512, 512, 1, 1) / bias         cbr/conv2_0/kernel = w[:, :, 0, 0].T / bias
+contra.logit_scale ()                          cbr/contra/logit_scale ()
+contra.{query,key}.weight / bias               cbr/contra/{query,key}/kernel (T) / bias
+=============================================  ================================================
+
+Every torch key has exactly one Flax path and vice versa (the PE buffer excepted). Kernel row c
+of ``img_0`` is input channel c; with coordinates, rows C and C + 1 are the x and y channels (the
+AddSpatialInfo order). Rows 0-511 of ``cbr/conv1/kernel`` read X0_bef and rows 512-1023 the
+sentence vector. ``decoder/embed/embedding`` row 0 must get a zero gradient (torch
+``padding_idx=0``; the presets set ``optim.zero_grad_rows``); its value is NOT zero (S-Q7).
+
+Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_cache``,
+``decode_step``; ``decode`` is the full-recompute reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Module import (attributes read at call time): losses imports models.base, whose package
+# __init__ imports this file, so a from-import here would be circular.
+from changecap_jax import losses
+from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.decoder import Speaker, multi_head_attend
+from changecap_jax.models.dirl import caption_mask, make_caption_targets
+from changecap_jax.models.layers import (
+    GridPositionEmbedding,
+    TorchDense,
+    add_spatial_coordinates,
+    in_proj_xavier_uniform,
+    torch_layer_norm,
+)
+
+Array = jax.Array
+
+PAIRS = ("both", "semantic_only")
+# stream name -> (after-image key, caption key); the "before" image is shared (§2.5).
+STREAMS = {
+    "semantic": ("after_semantic", "change_caption"),
+    "distractor": ("after_distractor", "no_change_caption"),
+}
+LOGIT_SCALE_MAX = math.log(100.0)  # §3.4: exp(logit_scale) <= 100
+LOGIT_SCALE_INIT = 1.0  # §3.5: torch.ones([]), i.e. a multiplier of e
+
+
+def check_batch(batch: dict[str, Array], keys: tuple[str, ...], model: str) -> None:
+    """Clear errors for a missing key or a wrongly shaped field."""
+    for key in keys:
+        if key not in batch:
+            raise KeyError(f"{model} batch is missing {key!r}; it has {sorted(batch)}")
+        want = 2 if key.endswith("caption") else 4
+        shape = batch[key].shape
+        if len(shape) != want:
+            layout = "(B, L) int ids" if want == 2 else "(B, H, W, C) channels-last features"
+            raise ValueError(f"{model} batch[{key!r}] must be {layout}, got shape {shape}")
+
+
+def embed_grid(img: nn.Module, pos_embedding: nn.Module, grid: Array) -> Array:
+    """Paper Eq. 1 (§3.1 steps 1-3): (B, H, W, C) -> 1x1 projection + grid PE -> tokens
+    (B, H*W, D), token t = i*W + j."""
+    b, h, w, _ = grid.shape
+    x = img(grid) + pos_embedding(h, w)[None]
+    return x.reshape(b, h * w, x.shape[-1])
+
+
+def grid_position_embedding(dim: int) -> GridPositionEmbedding:
+    """torch ``w_embedding`` / ``h_embedding``: ``nn.Embedding`` default init N(0, 1) (§3.5)."""
+    return GridPositionEmbedding(dim, embedding_init=nn.initializers.normal(stddev=1.0))
+
+
+def _scalar_init(value: float) -> Any:
+    return lambda key, shape, dtype=jnp.float32: jnp.full(shape, value, dtype)
+
+
+class MatchInputs(NamedTuple):
+    """What one token-wise matching direction needs: S = exp(logit_scale) * MTM(query, key)."""
+
+    query: Array  # (B, N, D) query projection of the query-side tokens
+    key: Array  # (B, M, D) key projection of the other view's tokens
+    logit_scale: Array  # () log of the multiplier
+
+
+# --------------------------------------------------------------------------------------------
+# Encoder ChangeDetector (§3.1)
+# --------------------------------------------------------------------------------------------
+
+
+class ScorerAttention(nn.Module):
+    """torch ``scorer.{l}.attention``: q/k/v projections, the matching inputs with this layer's
+    learnable ``logit_scale``, multi-head reconstruction without an output projection (paper
+    Eq. 5), out = LN(ctx + x_q) (paper Eq. 6)."""
+
+    hidden_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    def setup(self) -> None:
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"hidden_dim {self.hidden_dim} is not divisible by num_heads "
+                             f"{self.num_heads}")
+        self.logit_scale = self.param("logit_scale", _scalar_init(LOGIT_SCALE_INIT), ())
+        self.query = TorchDense(self.hidden_dim)
+        self.key = TorchDense(self.hidden_dim)
+        self.value = TorchDense(self.hidden_dim)
+        self.layer_norm = torch_layer_norm(self.layer_norm_eps)
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(
+        self, x_q: Array, x_kv: Array, *, deterministic: bool = True
+    ) -> tuple[Array, MatchInputs]:
+        q, k, v = self.query(x_q), self.key(x_kv), self.value(x_kv)
+        ctx = multi_head_attend(q, k, v, self.num_heads, dropout=self.dropout,
+                                deterministic=deterministic)
+        return self.layer_norm(ctx + x_q), MatchInputs(q, k, self.logit_scale)
+
+
+class ScorerLayer(nn.Module):
+    """torch ``scorer.{l}``: a wrapper holding ``attention``."""
+
+    hidden_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    def setup(self) -> None:
+        self.attention = ScorerAttention(self.hidden_dim, self.num_heads, self.dropout_rate,
+                                         self.layer_norm_eps)
+
+    def __call__(
+        self, x_q: Array, x_kv: Array, *, deterministic: bool = True
+    ) -> tuple[Array, MatchInputs]:
+        return self.attention(x_q, x_kv, deterministic=deterministic)
+
+
+class EncoderOutput(NamedTuple):
+    memory: Array  # (B, HW, hidden) difference representation, the decoder memory
+    tokens_before: Array  # (B, HW, hidden) X0_bef: projected + PE, before the SCORER layers
+    tokens_after: Array  # (B, HW, hidden) X0_aft
+    # Last layer's matching inputs: (before-queries vs after-keys, after-queries vs before-keys).
+    matching: tuple[MatchInputs, MatchInputs]
+
+
+class ChangeDetector(nn.Module):
+    """SCORER encoder (torch ``change_detector``), torch-default init (§3.5)."""
+
+    hidden_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 2
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+
+    def setup(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"SCORER needs at least one layer, got {self.num_layers}")
+        self.img_0 = TorchDense(self.hidden_dim)  # 1x1 conv as a Dense over channels
+        self.pos_embedding = grid_position_embedding(self.hidden_dim)
+        self.scorer = [
+            ScorerLayer(self.hidden_dim, self.num_heads, self.dropout_rate, self.layer_norm_eps)
+            for _ in range(self.num_layers)
+        ]
+        self.embed_fc_0 = TorchDense(self.hidden_dim)
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, before: Array, after: Array, *, train: bool) -> EncoderOutput:
+        deterministic = not train
+        x1_0 = embed_grid(self.img_0, self.pos_embedding, before)
+        x2_0 = embed_grid(self.img_0, self.pos_embedding, after)
+        x1, x2 = x1_0, x2_0
+        for layer in self.scorer:
+            # Simultaneous update: both directions read the previous layer's (x1, x2). Only the
+            # last layer's matching inputs are used (S-Q3); the official code also computes the
+            # earlier layers' S and discards it, which changes no output or gradient.
+            (x1, match1), (x2, match2) = (
+                layer(x1, x2, deterministic=deterministic),
+                layer(x2, x1, deterministic=deterministic),
+            )
+        fused = self.embed_fc_0(jnp.concatenate([x1, x2], axis=-1))
+        memory = nn.relu(self.dropout(fused, deterministic=deterministic))
+        return EncoderOutput(memory, x1_0, x2_0, (match1, match2))
+
+
+# --------------------------------------------------------------------------------------------
+# CBR (§3.3)
+# --------------------------------------------------------------------------------------------
+
+
+class BiasFreeSelfAttention(nn.Module):
+    """torch ``nn.MultiheadAttention(D, H, bias=False)``, dropout 0, as self-attention: the
+    in-projection (xavier over the stacked (3D, D) matrix) and the output projection have no
+    biases; q is scaled by 1/sqrt(D/H) after its projection, as torch does."""
+
+    embed_dim: int
+    num_heads: int
+
+    def setup(self) -> None:
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads "
+                             f"{self.num_heads}")
+        proj = lambda: TorchDense(self.embed_dim, kernel_init=in_proj_xavier_uniform,
+                                  use_bias=False)
+        self.q_proj, self.k_proj, self.v_proj = proj(), proj(), proj()
+        self.out_proj = TorchDense(self.embed_dim, use_bias=False)
+
+    def __call__(self, x: Array) -> Array:
+        b, n, e = x.shape
+        dh = e // self.num_heads
+        split = lambda y: y.reshape(b, n, self.num_heads, dh)
+        q = split(self.q_proj(x)) * (1.0 / math.sqrt(dh))
+        k, v = split(self.k_proj(x)), split(self.v_proj(x))
+        probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, e)
+        return self.out_proj(ctx)
+
+
+class ContraAttention(nn.Module):
+    """torch ``contra``: query/key projections and the learnable ``logit_scale``."""
+
+    hidden_dim: int
+
+    def setup(self) -> None:
+        self.logit_scale = self.param("logit_scale", _scalar_init(LOGIT_SCALE_INIT), ())
+        self.query = TorchDense(self.hidden_dim)
+        self.key = TorchDense(self.hidden_dim)
+
+    def __call__(self, hallucination: Array, after: Array) -> MatchInputs:
+        return MatchInputs(self.query(hallucination), self.key(after), self.logit_scale)
+
+
+class CBR(nn.Module):
+    """Cross-modal backward reasoning (torch ``generator``, §3.3), torch-default init.
+
+    ``mean_by_length=True`` is a fix of S-Q8: divide the masked sentence sum by the caption
+    length (the paper's "mean-pooling") instead of the padded length Lt.
+    """
+
+    hidden_dim: int = 512
+    num_heads: int = 8
+    mean_by_length: bool = False
+
+    def setup(self) -> None:
+        self.conv1 = TorchDense(self.hidden_dim)
+        self.mh_att = BiasFreeSelfAttention(self.hidden_dim, self.num_heads)
+        self.conv2_0 = TorchDense(self.hidden_dim)
+        self.contra = ContraAttention(self.hidden_dim)
+
+    def sentence(self, sent: Array, mask: Array) -> Array:
+        """(B, Lt, D), mask (B, Lt) -> s (B, D): the masked sum over Lt / Lt (S-Q8)."""
+        mask = mask.astype(sent.dtype)[..., None]
+        total = jnp.sum(sent * mask, axis=1)
+        if self.mean_by_length:
+            return total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        return total / sent.shape[1]
+
+    def hallucinate(self, before: Array, sent: Array, mask: Array) -> Array:
+        """Paper Eq. 9-10: X0_bef (B, N, D), decoder output (B, Lt, D) -> H (B, N, D)."""
+        s = self.sentence(sent, mask)
+        s = jnp.broadcast_to(s[:, None, :], before.shape)
+        h = self.conv1(jnp.concatenate([before, s], axis=-1))  # before = channels 0..D-1
+        return self.conv2_0(self.mh_att(h))  # no residual, no LN
+
+    def __call__(
+        self, before: Array, sent: Array, after: Array, mask: Array, *,
+        axis_name: losses.AxisName = None, chunk_size: int = 8,
+    ) -> Array:
+        """Paper Eq. 11: L_cbr = 1/2 (rowCE(S) + rowCE(S^T)), S = exp(ls_c) MTM(q(H), k(X0_aft))
+        over the global batch; S^T is S transposed, not a second matching (§3.4 item 7)."""
+        match = self.contra(self.hallucinate(before, sent, mask), after)
+        return losses.symmetric_matching_contrastive_loss(
+            match.query, match.key, match.logit_scale, axis_name=axis_name,
+            chunk_size=chunk_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Top module
+# --------------------------------------------------------------------------------------------
+
+
+def clamp_params(params: Any, paths: list[tuple[str, ...]], maximum: float) -> Any:
+    """A copy of ``params`` with the leaves at ``paths`` clamped to <= ``maximum``."""
+
+    def clamp(tree: Any, path: tuple[str, ...]) -> Any:
+        if len(path) == 1:
+            return {**tree, path[0]: jnp.minimum(tree[path[0]], maximum)}
+        return {**tree, path[0]: clamp(tree[path[0]], path[1:])}
+
+    for path in paths:
+        params = clamp(params, path)
+    return params
+
+
+class SCORERCBR(nn.Module):
+    """SCORER encoder + Speaker decoder + CBR; every hyperparameter is a field (defaults = the
+    official CLEVR-Change config, transformer.yaml).
+
+    The input feature width and the grid size are read from the batch. ``pairs="both"``
+    trains on the semantic and the distractor pair (CLEVR-Change), ``"semantic_only"`` on the
+    semantic pair alone. Ablations of the paper's Table 6: ``use_sim=False`` drops L_sim (RR),
+    ``use_cbr=False`` drops CBR; ``config.loss_weights`` must then name the remaining losses
+    (and ``optim.frozen`` must not name "cbr" when there is no CBR).
+    ``match_chunk_size``: columns of the batch-wide matching per step (memory vs speed only).
+    ``cbr_mean_by_length``: fix of S-Q8 (official: False).
+    """
+
+    vocab_size: int
+    max_len: int
+    pairs: str = "both"
+    use_coordinates: bool = True
+    hidden_dim: int = 512
+    num_heads: int = 8
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    word_dim: int = 300
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-6
+    use_sim: bool = True
+    use_cbr: bool = True
+    cbr_mean_by_length: bool = False
+    match_chunk_size: int = 8
+
+    def setup(self) -> None:
+        if self.pairs not in PAIRS:
+            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        self.encoder = ChangeDetector(
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            num_layers=self.encoder_layers,
+            dropout_rate=self.dropout_rate,
+            layer_norm_eps=self.layer_norm_eps,
+        )
+        self.decoder = Speaker(
+            vocab_size=self.vocab_size,
+            max_len=self.max_len,
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            num_layers=self.decoder_layers,
+            word_dim=self.word_dim,
+            dropout_rate=self.dropout_rate,
+            layer_norm_eps=self.layer_norm_eps,
+        )
+        if self.use_cbr:
+            self.cbr = CBR(self.hidden_dim, self.num_heads, self.cbr_mean_by_length)
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return ("semantic", "distractor") if self.pairs == "both" else ("semantic",)
+
+    def _features(self, x: Array) -> Array:
+        x = jnp.asarray(x, jnp.float32)
+        # AddSpatialInfo runs on-device, on CLEVR-Change only (§2.3).
+        return add_spatial_coordinates(x) if self.use_coordinates else x
+
+    def __call__(
+        self, batch: dict[str, Array], *, train: bool, axis_name: losses.AxisName = None
+    ) -> ModelOutput:
+        keys = ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
+        check_batch(batch, keys, type(self).__name__)
+        before = self._features(batch["before"])
+        match_loss = lambda m: losses.matching_contrastive_loss(
+            m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size)
+        logits, targets, sim, cbr = {}, {}, [], []
+        for stream in self.streams:
+            after_key, caption_key = STREAMS[stream]
+            ids = jnp.asarray(batch[caption_key], jnp.int32)
+            enc = self.encoder(before, self._features(batch[after_key]), train=train)
+            logits[stream], sentence = self.decoder(enc.memory, ids, train=train)
+            targets[stream] = make_caption_targets(ids)
+            if self.use_sim:
+                s1, s2 = enc.matching
+                sim.append(0.5 * (match_loss(s1) + match_loss(s2)))
+            if self.use_cbr:
+                cbr.append(self.cbr(enc.tokens_before, sentence, enc.tokens_after,
+                                    caption_mask(ids), axis_name=axis_name,
+                                    chunk_size=self.match_chunk_size))
+        # Equal-weight mean of the pairs: 1/2 pos + 1/2 neg on CLEVR-Change (§3.4).
+        aux = {}
+        if self.use_sim:
+            aux["sim"] = sum(sim) / len(sim)
+        if self.use_cbr:
+            aux["cbr"] = sum(cbr) / len(cbr)
+        return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
+
+    @nn.nowrap
+    def post_update(self, params: Any) -> Any:
+        """§3.4 / train.py:219-226: after each update clamp the LAST SCORER layer's
+        ``logit_scale`` and CBR's ``contra.logit_scale`` to <= ln 100 (no lower bound)."""
+        paths = [("encoder", f"scorer_{self.encoder_layers - 1}", "attention", "logit_scale")]
+        if self.use_cbr:
+            paths.append(("cbr", "contra", "logit_scale"))
+        return clamp_params(params, paths, LOGIT_SCALE_MAX)
+
+    # ---- decoding protocol ----------------------------------------------------------------
+
+    def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
+        """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
+        return self.encoder(self._features(before), self._features(after), train=train).memory
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
+        (B, max_len, hidden) and the cross-attention keys/values of ``memory``."""
+        self.decoder.init_cache(memory, max_len)
+
+    def decode_step(self, token: Array, index: Array) -> Array:
+        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
+        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
+
+    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
+        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
+        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]

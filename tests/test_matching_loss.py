@@ -1,0 +1,123 @@
+"""SCORER's token-wise matching (changecap_jax/losses.py): the chunked form equals the naive one
+(values and gradients), both equal a float64 NumPy reading of reference §3.1 step 4 / §3.4, and
+8 simulated devices equal one."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from changecap_jax import losses
+
+
+def np_mtm(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """S[a, b] = 1/2 (mean_l max_m R + mean_m max_l R), R = <q[a, l], k[b, m]>, by loops."""
+    q, k = q.astype(np.float64), k.astype(np.float64)
+    s = np.zeros((len(q), len(k)))
+    for a in range(len(q)):
+        for b in range(len(k)):
+            r = q[a] @ k[b].T  # (N, M)
+            s[a, b] = 0.5 * (r.max(axis=1).mean() + r.max(axis=0).mean())
+    return s
+
+
+def np_row_ce(s: np.ndarray) -> float:
+    s = s - s.max(1, keepdims=True)
+    logp = s - np.log(np.exp(s).sum(1, keepdims=True))
+    return float(-np.mean(np.diag(logp)))
+
+
+def _tokens(seed: int, b: int, n: int, d: int = 8) -> np.ndarray:
+    return np.random.RandomState(seed).randn(b, n, d).astype(np.float32)
+
+
+def test_naive_matches_numpy_and_is_symmetric():
+    q, k = _tokens(0, 5, 6), _tokens(1, 7, 4)  # N != M, Bq != Bk
+    got = np.asarray(losses.token_matching_similarity_naive(jnp.asarray(q), jnp.asarray(k)))
+    want = np_mtm(q, k)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # MTM(q, k)[a, b] == MTM(k, q)[b, a] (the two directions are summed).
+    swapped = np.asarray(losses.token_matching_similarity_naive(jnp.asarray(k), jnp.asarray(q)))
+    np.testing.assert_allclose(swapped.T, got, rtol=1e-6, atol=1e-6)
+    # The test can tell the two directions apart: each alone differs from their mean.
+    r = np.einsum("ald,bmd->ablm", q.astype(np.float64), k.astype(np.float64))
+    assert np.abs(r.max(-1).mean(-1) - want).max() > 0.1
+    assert np.abs(r.max(-2).mean(-1) - want).max() > 0.1
+
+
+@pytest.mark.parametrize("chunk_size,backward", [
+    (1, "argmax"), (3, "argmax"), (4, "argmax"), (7, "argmax"), (20, "argmax"),
+    (3, "remat"), (7, "remat"),
+])
+def test_chunked_equals_naive_values_and_gradients(chunk_size, backward):
+    # Bk = 12: 3 and 4 divide it, 7 does not, 20 exceeds it.
+    q, k = jnp.asarray(_tokens(2, 5, 6)), jnp.asarray(_tokens(3, 12, 5))
+    w = jnp.asarray(np.random.RandomState(4).randn(5, 12).astype(np.float32))
+
+    def weighted(fn, q, k):
+        return jnp.sum(w * fn(q, k))
+
+    chunked = functools.partial(losses.token_matching_similarity, chunk_size=chunk_size,
+                                backward=backward)
+    s_naive = losses.token_matching_similarity_naive(q, k)
+    s_chunk = jax.jit(chunked)(q, k)
+    assert s_chunk.shape == (5, 12)
+    np.testing.assert_allclose(s_chunk, s_naive, rtol=1e-6, atol=1e-6)
+    g_naive = jax.grad(functools.partial(weighted, losses.token_matching_similarity_naive),
+                       argnums=(0, 1))(q, k)
+    g_chunk = jax.jit(jax.grad(functools.partial(weighted, chunked), argnums=(0, 1)))(q, k)
+    for gn, gc in zip(g_naive, g_chunk, strict=True):
+        assert float(jnp.abs(gn).max()) > 0
+        np.testing.assert_allclose(gc, gn, rtol=1e-5, atol=1e-5)
+
+
+def test_contrastive_loss_matches_numpy_and_naive_flag():
+    q, k = _tokens(5, 6, 5), _tokens(6, 6, 5)
+    scale = 0.7
+    want = np_row_ce(np.exp(scale) * np_mtm(q, k))
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.float32(scale))
+    got = float(losses.matching_contrastive_loss(*args, chunk_size=4))
+    naive = float(losses.matching_contrastive_loss(*args, naive=True))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert naive == pytest.approx(want, rel=1e-5)
+    # The scale is applied as exp(logit_scale): the loss changes with it.
+    other = float(losses.matching_contrastive_loss(args[0], args[1], jnp.float32(0.0)))
+    assert abs(other - got) > 1e-3
+    # CBR's symmetric form: 1/2 (rowCE(S) + rowCE(S^T)), the two directions differ.
+    s = np.exp(scale) * np_mtm(q, k)
+    assert abs(np_row_ce(s) - np_row_ce(s.T)) > 1e-3
+    sym = float(losses.symmetric_matching_contrastive_loss(*args, chunk_size=4))
+    assert sym == pytest.approx(0.5 * (np_row_ce(s) + np_row_ce(s.T)), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rows", "symmetric"])
+def test_contrastive_loss_sharded_8_ways_equals_single_device(name):
+    assert jax.device_count() >= 8, "conftest forces 8 CPU devices"
+    fn = {"rows": losses.matching_contrastive_loss,
+          "symmetric": losses.symmetric_matching_contrastive_loss}[name]
+    mesh = jax.make_mesh((8,), ("data",))
+    q, k = jnp.asarray(_tokens(7, 16, 6)), jnp.asarray(_tokens(8, 16, 6))
+    scale = jnp.float32(1.3)
+
+    def loss(q, k, s, axis_name=None):
+        # chunk 3 does not divide the gathered 16 rows.
+        return fn(q, k, s, axis_name=axis_name, chunk_size=3)
+
+    one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    sharded = jax.shard_map(functools.partial(loss, axis_name="data"), mesh=mesh,
+                            in_specs=(P("data"), P("data"), P()), out_specs=P())
+    many = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+    v1, g1 = one(q, k, scale)
+    v8, g8 = many(put(q), put(k), scale)
+    assert float(v8) == pytest.approx(float(v1), rel=1e-6)
+    for a, b in zip(g1, g8, strict=True):
+        assert float(jnp.abs(a).max()) > 0
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.abs(a).max()))
