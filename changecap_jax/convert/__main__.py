@@ -1,5 +1,14 @@
 """``python -m changecap_jax.convert``: official PyTorch snapshot -> orbax checkpoint.
 
+Supported models: DIRL+CCR (configs/dirl.py:clevr_change / clevr_dc) and SCORER+CBR
+(configs/scorer.py:clevr_change ...), e.g.
+
+    python -m changecap_jax.convert --config=configs/scorer.py:clevr_change \
+        --torch_checkpoint=scorer_checkpoint_10000.pt --workdir=DIR --extra_params=cbr.pt
+
+(SCORER's CBR ``generator`` is never in the official snapshot: pass its state_dict with
+--extra_params, or --missing=init to initialise it as the trainer does.)
+
     --config=configs/MODEL.py[:PRESET]  the config the checkpoint will be used with (same flags as
                                         changecap_jax.main, e.g. --config.model.num_heads=8)
     --torch_checkpoint=PATH             official snapshot, e.g. dirl_ccr_clevr_change_checkpoint_
@@ -30,7 +39,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
 flags.DEFINE_string("torch_checkpoint", None, "Official PyTorch snapshot (.pt).")
 flags.DEFINE_string("workdir", None, "Output directory (writes WORKDIR/checkpoints).")
-flags.DEFINE_string("extra_params", None, "torch state_dict of parameters the snapshot lacks.")
+flags.DEFINE_string("extra_params", None, "torch state_dict of parameters the snapshot lacks "
+                    "(SCORER: the CBR generator.state_dict()).")
 flags.DEFINE_enum("missing", "error", ["error", "init"],
                   "Parameters no file provides: fail, or initialise them as the trainer does.")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the snapshot's iteration, else 0).")

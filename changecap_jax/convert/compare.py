@@ -23,7 +23,17 @@ PyTorch equivalents for DIRL+CCR (``tests/torch_reference/dirl.py``): ``DIRL(...
 ``encoder/semantic/diff_before``; ``CCRSpeaker.memory`` -> ``decoder.memory/semantic``;
 ``CCROutput.logits / t / v`` -> ``decoder/semantic/{logits,t,v}``; ``dirl_losses`` ``cap_pos`` /
 ``cap_neg`` / ``dirl_pos`` / ``ccr_neg`` / ``total`` -> ``caption_ce/semantic`` /
-``caption_ce/distractor`` / ``aux/dirl/semantic`` / ``aux/ccr/distractor`` / ``loss``. Features
+``caption_ce/distractor`` / ``aux/dirl/semantic`` / ``aux/ccr/distractor`` / ``loss``.
+
+PyTorch equivalents for SCORER+CBR (``tests/torch_reference/scorer.py``):
+``ChangeDetector(...).memory`` -> ``encoder/{stream}/memory``; ``.sim_bef`` / ``.sim_aft`` (the
+last layer's (B, B) S1 / S2) -> ``encoder/{stream}/sim_before`` / ``sim_after`` (formed from the
+captured ``encoder/{stream}/matching/{0,1}/{query,key,logit_scale}``); ``.input_bef`` /
+``.input_aft`` -> ``encoder/{stream}/tokens_before`` / ``tokens_after``; ``Speaker`` logits /
+last-layer output -> ``decoder/{stream}/logits`` / ``sentence``; ``CBR.hallucinate`` ->
+``cbr.hallucinate/{stream}``; ``scorer_losses`` ``cap_pos`` / ``sim_pos`` / ``cbr_neg`` / ``sim``
+/ ``total`` -> ``caption_ce/semantic`` / ``aux/sim/semantic`` / ``aux/cbr/distractor`` /
+``aux/sim`` / ``loss``. Features
 are channels-last (B, H, W, C) here and channels-first in torch; coordinates are added by the
 model (§2.3). Reference: ``shared/reference/official_pytorch.md`` §7 item 7.
 """
@@ -47,6 +57,7 @@ from changecap_jax.convert import mapping
 # Names for the fields of tuple outputs that are not NamedTuples: model -> module -> names.
 TUPLE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "dirl": {"decoder": ("logits", "t", "v")},
+    "scorer": {"decoder": ("logits", "sentence")},
 }
 
 
@@ -61,9 +72,31 @@ def _dirl_stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, np.nda
     return aux
 
 
-# model -> (model, outputs so far) -> per-stream auxiliary losses.
+def _scorer_stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """SCORER: the last layer's S1 / S2 (B, B) and L_sim per stream; L_cbr per stream is the
+    output of the ``cbr`` call of that stream (``cbr/{stream}``)."""
+    aux: dict[str, Any] = {}
+    for stream in model.streams:
+        prefix = f"encoder/{stream}/matching"
+        sims = []
+        for i, name in enumerate(("sim_before", "sim_after")):
+            q, k = out[f"{prefix}/{i}/query"], out[f"{prefix}/{i}/key"]
+            scale = out[f"{prefix}/{i}/logit_scale"]
+            aux[f"encoder/{stream}/{name}"] = jnp.exp(scale) * losses.token_matching_similarity(
+                jnp.asarray(q), jnp.asarray(k))
+            sims.append(losses.matching_contrastive_loss(jnp.asarray(q), jnp.asarray(k),
+                                                         jnp.asarray(scale)))
+        if model.use_sim:
+            aux[f"aux/sim/{stream}"] = 0.5 * (sims[0] + sims[1])
+        if model.use_cbr:
+            aux[f"aux/cbr/{stream}"] = out[f"cbr/{stream}"]
+    return aux
+
+
+# model -> (model, outputs so far) -> per-stream auxiliary losses (and derived outputs).
 STREAM_AUX: dict[str, Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]] = {
     "dirl": _dirl_stream_aux,
+    "scorer": _scorer_stream_aux,
 }
 
 

@@ -18,18 +18,12 @@ the conversion rules of ``shared/reference/official_pytorch.md`` §1.1:
 
 Each model registers a :class:`ModelSpec` in :data:`SPECS` under its ``config.model.name``:
 its table builder, how to read its sizes from a snapshot, how to recognise its snapshots, and
-an example batch for shape inference. DIRL+CCR is here (Appendix B, both decoder variants of
-§4.2 / §4.5).
-
-Adding SCORER+CBR (Appendix A) later: write ``scorer_table(model_config, sizes)`` with the
-helpers below (``conv1x1``, ``param`` for ``w/h_embedding``, ``linear`` for
-``scorer.{l}.attention.{query,key,value}``, ``scalar`` for ``logit_scale``, ``layer_norm``,
-``embedding``, ``buffer`` for ``core.position_enc.pe``, ...), add a third, non-official
-:class:`Source` ``"generator"`` for CBR (reference S-Q1: never in the snapshot; the converter
-then reads it from ``--extra_params`` or initialises it with ``--missing=init``), and register
-``SPECS["scorer"] = ModelSpec(...)``. :func:`identify_checkpoint` already recognises SCORER
-snapshots. A model whose Flax parameters are not all listed in its table gets the rest
-through the same ``--missing`` policy.
+an example batch for shape inference. Supported: DIRL+CCR (Appendix B, both decoder variants of
+§4.2 / §4.5) and SCORER+CBR (Appendix A). SCORER's CBR is a third, non-official
+:class:`Source` ``"generator"`` (reference S-Q1: never in the official snapshot); the converter
+reads it from ``--extra_params`` (a bare torch state_dict, ``generator.state_dict()``) or
+initialises it with ``--missing=init`` (listed in the report). A model whose Flax parameters
+are not all listed in its table gets the rest through the same ``--missing`` policy.
 """
 
 from __future__ import annotations
@@ -69,7 +63,8 @@ class Transform:
     fn: Callable[[np.ndarray], np.ndarray]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self.fn(x))
+        # np.array, not np.ascontiguousarray: the latter turns a 0-d scalar into shape (1,).
+        return np.array(self.fn(x), order="C")
 
 
 COPY = Transform("copy", lambda x: x)
@@ -507,8 +502,129 @@ DIRL_SPEC = ModelSpec(
     vocab_size_of_params=lambda params: int(params["decoder"]["logit"]["bias"].shape[0]),
 )
 
-# config.model.name -> spec. SCORER / Subtraction add theirs here.
-SPECS: dict[str, ModelSpec] = {"dirl": DIRL_SPEC}
+# ---- SCORER + CBR (§3, Appendix A) ------------------------------------------------------------
+
+GENERATOR = "generator"  # CBR: never in the official snapshot (S-Q1)
+
+
+def scorer_sizes_from_states(model: ml_collections.ConfigDict, states: States) -> Sizes:
+    """Vocabulary, PE rows, input channels and grid of a SCORER snapshot."""
+    img = _require(states, ENCODER, "img.0.weight", 4)
+    w_rows = _require(states, ENCODER, "w_embedding.weight", 2)[0]
+    h_rows = _require(states, ENCODER, "h_embedding.weight", 2)[0]
+    vocab = _require(states, DECODER, "core.embed.weight", 2)[0]
+    pe_rows = _require(states, DECODER, "core.position_enc.pe", 2)[0]
+    coords = 2 if model.use_coordinates else 0
+    channels = img[1] - coords
+    if channels <= 0:
+        raise KeyMismatchError(
+            f"{ENCODER}:img.0.weight has shape {fmt_shape(img)}: {img[1]} input channels "
+            f"cannot hold the {coords} coordinate channels of config.model.use_coordinates",
+            [f"{ENCODER}:img.0.weight"])
+    return Sizes(vocab, pe_rows, channels, h_rows, w_rows, "the checkpoint")
+
+
+def scorer_check_identity(model: ml_collections.ConfigDict, states: States,
+                          model_cfg: Any) -> None:
+    found = identify_checkpoint(states)
+    if found.model != "scorer":
+        raise WrongModelError(
+            f"the snapshot holds a {found.description} checkpoint, but the config builds model "
+            f"'scorer' (SCORER+CBR); use the config of that model")
+    heads = {int(h) for h in find_config_values(model_cfg, "att_head")
+             if isinstance(h, int | np.integer)}
+    if heads and heads != {int(model.num_heads)}:
+        # The weights cannot tell the number of heads (q/k/v are (E, E) for any split).
+        raise WrongModelError(
+            f"the snapshot's model_cfg says att_head = {sorted(heads)}, but config.model."
+            f"num_heads is {model.num_heads}; set --config.model.num_heads={min(heads)}")
+
+
+def scorer_table(model: ml_collections.ConfigDict, sizes: Sizes) -> list[Entry]:
+    """Appendix A (``models/SCORER.py``, the Speaker, CBR), for any sizes."""
+    e = model.hidden_dim
+    hid = Dim(e, "hidden size (config.model.hidden_dim)")
+    half = Dim(e // 2, "hidden size / 2 (config.model.hidden_dim)")
+    two_hid = Dim(2 * e, "2 x hidden size (config.model.hidden_dim)")
+    coords = 2 if model.use_coordinates else 0
+    cin = Dim(sizes.feature_channels + coords,
+              f"input channels ({sizes.origin}: {sizes.feature_channels} feature channels"
+              f"{' + 2 coordinates' if coords else ''})")
+    grid_h = Dim(sizes.grid_height, f"feature grid height ({sizes.origin})")
+    grid_w = Dim(sizes.grid_width, f"feature grid width ({sizes.origin})")
+    vocab = Dim(sizes.vocab_size, f"vocabulary size ({sizes.origin})")
+    word = Dim(model.word_dim, "word size (config.model.word_dim)")
+
+    t = conv1x1(ENCODER, "img.0", "encoder/img_0", cin, hid)
+    t += param(ENCODER, "w_embedding.weight", "encoder/pos_embedding/w_embedding", (grid_w, half))
+    t += param(ENCODER, "h_embedding.weight", "encoder/pos_embedding/h_embedding", (grid_h, half))
+    for layer in range(model.encoder_layers):
+        src, dst = f"scorer.{layer}.attention", f"encoder/scorer_{layer}/attention"
+        t += scalar(ENCODER, f"{src}.logit_scale", f"{dst}/logit_scale")
+        for proj in ("query", "key", "value"):
+            t += linear(ENCODER, f"{src}.{proj}", f"{dst}/{proj}", hid, hid)
+        t += layer_norm(ENCODER, f"{src}.layer_norm", f"{dst}/layer_norm", hid)
+    t += linear(ENCODER, "embed_fc.0", "encoder/embed_fc_0", two_hid, hid)
+
+    t += embedding(DECODER, "core.embed.weight", "decoder/embed/embedding", vocab, word)
+    t += buffer(DECODER, "core.position_enc.pe",
+                (Dim(None, "official seq_length"), word), sinusoid_check())
+    t += linear(DECODER, "core.fc.0", "decoder/fc_0", word, hid)
+    t += layer_norm(DECODER, "core.fc.2", "decoder/fc_2", hid)
+    for layer in range(model.decoder_layers):
+        src, dst = f"core.layer.{layer}", f"decoder/layer_{layer}"
+        for att in ("self_attention", "dec_enc_attention"):
+            for proj in ("query", "key", "value"):
+                t += linear(DECODER, f"{src}.{att}.{proj}", f"{dst}/{att}/{proj}", hid, hid)
+        t += layer_norm(DECODER, f"{src}.norm1", f"{dst}/norm1", hid)
+        t += linear(DECODER, f"{src}.hidden_intermediate.dense",
+                    f"{dst}/hidden_intermediate/dense", hid, hid)
+        t += layer_norm(DECODER, f"{src}.norm2", f"{dst}/norm2", hid)
+        t += linear(DECODER, f"{src}.output.dense", f"{dst}/output/dense", hid, hid)
+        t += layer_norm(DECODER, f"{src}.output.LayerNorm", f"{dst}/output/LayerNorm", hid)
+    t += linear(DECODER, "logit", "decoder/logit", hid, vocab)
+
+    if model.get("use_cbr", True):
+        t += conv1x1(GENERATOR, "conv1", "cbr/conv1", two_hid, hid)
+        t += mha(GENERATOR, "mh_att", "cbr/mh_att", hid, bias=False)
+        t += conv1x1(GENERATOR, "conv2.0", "cbr/conv2_0", hid, hid)
+        t += scalar(GENERATOR, "contra.logit_scale", "cbr/contra/logit_scale")
+        t += linear(GENERATOR, "contra.query", "cbr/contra/query", hid, hid)
+        t += linear(GENERATOR, "contra.key", "cbr/contra/key", hid, hid)
+    return t
+
+
+def scorer_example_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
+    from changecap_jax.models.scorer import STREAMS
+
+    grid = np.zeros((1, sizes.grid_height, sizes.grid_width, sizes.feature_channels), np.float32)
+    ids = np.zeros((1, sizes.max_len), np.int32)
+    batch = {"before": grid}
+    for stream in model.streams:
+        after_key, caption_key = STREAMS[stream]
+        batch[after_key] = grid
+        batch[caption_key] = ids
+    return batch
+
+
+SCORER_SPEC = ModelSpec(
+    name="scorer",
+    title="SCORER+CBR (tuyunbin/SCORER)",
+    sources=(
+        Source(ENCODER, True, "encoder SCORER (models/SCORER.py)"),
+        Source(DECODER, True, "decoder Speaker (models/transformer_decoder.py)"),
+        Source(GENERATOR, False, "CBR generator (models/CBR.py; never in the official "
+               "snapshot, reference S-Q1)"),
+    ),
+    table=scorer_table,
+    sizes_from_states=scorer_sizes_from_states,
+    check_identity=scorer_check_identity,
+    example_batch=scorer_example_batch,
+    vocab_size_of_params=lambda params: int(params["decoder"]["logit"]["bias"].shape[0]),
+)
+
+# config.model.name -> spec. Subtraction adds its own here.
+SPECS: dict[str, ModelSpec] = {"dirl": DIRL_SPEC, "scorer": SCORER_SPEC}
 
 
 def get_spec(model_name: str) -> ModelSpec:
