@@ -28,3 +28,8 @@ class ModelOutput:
     caption_logits: dict[str, jax.Array]
     caption_targets: dict[str, jax.Array]
     aux_losses: dict[str, jax.Array]
+
+
+def pair_streams(pairs: str) -> tuple[str, ...]:
+    """The caption streams a model trains on: both pairs, or the semantic pair only."""
+    return ("semantic", "distractor") if pairs == "both" else ("semantic",)

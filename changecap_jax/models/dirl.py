@@ -97,13 +97,13 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.models.base import IGNORE_INDEX, ModelOutput
+from changecap_jax.models.base import IGNORE_INDEX, ModelOutput, pair_streams
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     Initializer,
     MultiheadAttention,
     TorchDense,
-    add_spatial_coordinates,
+    grid_input,
     make_attention_mask,
     normal_zero_pad_init,
     sinusoid_table,
@@ -453,12 +453,10 @@ class DIRLCCR(nn.Module):
 
     @property
     def streams(self) -> tuple[str, ...]:
-        return ("semantic", "distractor") if self.pairs == "both" else ("semantic",)
+        return pair_streams(self.pairs)
 
     def _features(self, x: Array) -> Array:
-        x = jnp.asarray(x, jnp.float32)
-        # AddSpatialInfo runs on-device, on CLEVR-Change only (§2.3, D-Q9).
-        return add_spatial_coordinates(x) if self.use_coordinates else x
+        return grid_input(x, self.use_coordinates)
 
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None

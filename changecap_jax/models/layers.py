@@ -312,3 +312,10 @@ def sinusoid_table(length: int, dim: int) -> np.ndarray:
     table[:, 0::2] = np.sin(angles)
     table[:, 1::2] = np.cos(angles[:, : dim // 2])
     return table.astype(np.float32)
+
+
+def grid_input(x: jax.Array, use_coordinates: bool) -> jax.Array:
+    """Stored grid features -> float32 model input, with the two coordinate channels where
+    the model uses them (AddSpatialInfo runs on-device, on CLEVR-Change only; §2.3)."""
+    x = jnp.asarray(x, jnp.float32)
+    return add_spatial_coordinates(x) if use_coordinates else x

@@ -109,13 +109,13 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.base import ModelOutput, pair_streams
 from changecap_jax.models.decoder import Speaker, multi_head_attend
 from changecap_jax.models.dirl import caption_mask, make_caption_targets
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     TorchDense,
-    add_spatial_coordinates,
+    grid_input,
     in_proj_xavier_uniform,
     torch_layer_norm,
 )
@@ -432,12 +432,10 @@ class SCORERCBR(nn.Module):
 
     @property
     def streams(self) -> tuple[str, ...]:
-        return ("semantic", "distractor") if self.pairs == "both" else ("semantic",)
+        return pair_streams(self.pairs)
 
     def _features(self, x: Array) -> Array:
-        x = jnp.asarray(x, jnp.float32)
-        # AddSpatialInfo runs on-device, on CLEVR-Change only (§2.3).
-        return add_spatial_coordinates(x) if self.use_coordinates else x
+        return grid_input(x, self.use_coordinates)
 
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: losses.AxisName = None

@@ -29,10 +29,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.base import ModelOutput, pair_streams
 from changecap_jax.models.decoder import Speaker
 from changecap_jax.models.dirl import make_caption_targets
-from changecap_jax.models.layers import TorchDense, add_spatial_coordinates
+from changecap_jax.models.layers import TorchDense, grid_input
 from changecap_jax.models.scorer import PAIRS, STREAMS, check_batch, grid_position_embedding
 
 Array = jax.Array
@@ -98,11 +98,10 @@ class Subtraction(nn.Module):
 
     @property
     def streams(self) -> tuple[str, ...]:
-        return ("semantic", "distractor") if self.pairs == "both" else ("semantic",)
+        return pair_streams(self.pairs)
 
     def _features(self, x: Array) -> Array:
-        x = jnp.asarray(x, jnp.float32)
-        return add_spatial_coordinates(x) if self.use_coordinates else x
+        return grid_input(x, self.use_coordinates)
 
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
