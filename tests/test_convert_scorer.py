@@ -391,3 +391,69 @@ def test_wrong_shaped_key(snapshots, tmp_path):
     torch.save(cbr, bad_cbr)
     with pytest.raises(KeyMismatchError, match=r"generator:conv1\.weight"):
         _convert(snapshots["scorer"], tmp_path, extra_params=bad_cbr)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the convert command (with --extra_params) -> evaluate_checkpoint on tiny synthetic
+# ---------------------------------------------------------------------------------------------
+
+
+def test_convert_command_then_evaluate(small_synthetic, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from train_helpers import SMALL
+
+    root = Path(__file__).resolve().parents[1]
+    data_dir = small_synthetic.directory.parents[2]
+    vocab = len(small_synthetic.vocab)
+    h, _, c = small_synthetic.meta.feature_shape
+    seq = small_synthetic.meta.max_caption_len
+    torch.manual_seed(3)
+    enc = tscorer.ChangeDetector(feat_dim=c + 2, att_dim=32, att_head=4, num_layers=2,
+                                 grid_size=h, dropout=0.0)
+    dec = tscorer.Speaker(vocab_size=vocab, word_dim=16, att_dim=32, att_head=4, num_layers=2,
+                          seq_length=seq, dropout=0.0)
+    gen = tscorer.CBR(att_dim=32, att_head=4)
+    path = tmp_path / "scorer_synthetic_checkpoint_40.pt"
+    tsnapshot.save_official_snapshot(path, enc.eval(), dec.eval())
+    cbr_path = tmp_path / "cbr.pt"
+    tsnapshot.save_cbr_state(cbr_path, gen.eval())
+
+    workdir = tmp_path / "workdir"
+    overrides = [f"--config.dataset.data_dir={data_dir}",
+                 *(f"--config.dataset.options.{k}={v}" for k, v in SMALL.items()),
+                 "--config.model.hidden_dim=32", "--config.model.num_heads=4",
+                 "--config.model.word_dim=16", "--config.eval_batch_size=8",
+                 "--config.final_eval_splits=('test',)", "--config.spice=off"]
+    args = [sys.executable, "-m", "changecap_jax.convert",
+            f"--config={root / 'configs/scorer.py'}:synthetic", *overrides,
+            f"--torch_checkpoint={path}", f"--extra_params={cbr_path}", f"--workdir={workdir}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrote step 40" in done.stdout, done.stdout
+
+    # The converted parameters are the torch tensors (spot check: decoder embedding, CBR).
+    params = flax.traverse_util.flatten_dict(compare.load_params(workdir), sep="/")
+    np.testing.assert_array_equal(params["decoder/embed/embedding"],
+                                  dec.state_dict()["core.embed.weight"].numpy())
+    np.testing.assert_array_equal(params["cbr/contra/logit_scale"],
+                                  gen.state_dict()["contra.logit_scale"].numpy().reshape(
+                                      params["cbr/contra/logit_scale"].shape))
+
+    from configs import scorer as scorer_configs
+
+    config = scorer_configs.get_config("synthetic")
+    config.dataset.data_dir = str(data_dir)
+    config.dataset.options = dict(SMALL)
+    config.model.update(hidden_dim=32, num_heads=4, word_dim=16)
+    config.update(eval_batch_size=8, final_eval_splits=("test",))
+    config.spice = "off"
+    results = train.evaluate_checkpoint(config, workdir)
+    metrics = json.loads((workdir / "metrics" / "test_40.json").read_text())
+    assert metrics["CIDEr"] == pytest.approx(results["test"]["CIDEr"])
+    assert set(metrics) >= {"Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}
