@@ -1,4 +1,5 @@
-"""Model-agnostic caption decoding: greedy and multinomial sampling with a key/value cache.
+"""Model-agnostic caption decoding: greedy, multinomial sampling and beam search with a
+key/value cache.
 
 Semantics follow the official ``sample()`` of SCORER / DIRL (``reference/official_pytorch.md``
 §3.7, §4.6): every row starts with START (2); at each step the next-token distribution is the
@@ -7,6 +8,21 @@ token is the argmax (greedy, as at test time) or a draw from that distribution (
 the official training-time validation); a row finishes at END (3), which is written as 0 like
 every position after it; the loop stops when every row has finished or after ``max_len - 1``
 predictions. Output ids (B, max_len) hold START at position 0 and at most max_len - 1 words.
+
+Beam search (:func:`beam_search`, not in the official code) uses the same next-token
+distribution (UNK banned the same way) and the same id conventions. The decoder runs on B*K rows
+(batch-major, row b*K + k) sharing one encoding per example; beam 0 starts with score 0 and the
+others with -inf, so step 0 expands START once. Each step keeps the K best of the K*V
+continuations per example by the raw sum of log-probs and moves every cache row to its parent
+beam. A beam that has emitted END is finished: it may only be extended by PAD at log-prob 0, so
+its score stays fixed while it keeps competing for a slot. The loop stops when every beam is
+finished or after ``max_len - 1`` predictions. The length penalty alpha (GNMT,
+lp = ((5 + len) / 6) ** alpha, len = predicted tokens including END, max_len - 1 for a beam cut
+at the limit) is applied only when ranking the K final hypotheses at the end (score = sum / lp);
+during the search hypotheses are ranked by their raw sums. alpha = 0 returns the highest-sum
+beam, and ``beam_size=1`` equals greedy. UNK's -1e10 is finite, so a K larger than the other
+continuations can hold UNK beams (scored near -1e10); with even fewer hypotheses than K, the
+rest are filler beams scored -inf.
 
 Protocol every model implements (linen methods called through ``model.apply``):
 
@@ -19,7 +35,7 @@ Protocol every model implements (linen methods called through ``model.apply``):
   is the input at position ``index`` (a traced int32 scalar), the result (B, V) the logits for
   position ``index + 1``. Eval mode (no dropout).
 * ``decode(memory, ids, *, train=False) -> logits``: teacher-forced logits (B, L, V) for all
-  positions of ``ids``; only :func:`full_recompute_greedy` (the test reference) uses it.
+  positions of ``ids``; only test references (:func:`full_recompute_greedy`) use it.
 """
 
 from __future__ import annotations
@@ -155,3 +171,134 @@ def full_recompute_greedy(
         if not unfinished.any():
             break
     return DecodeOutput(jnp.asarray(ids), jnp.asarray(log_probs))
+
+
+class BeamOutput(NamedTuple):
+    """Beam search result. ``ids`` / ``log_probs`` (B, max_len) are the best beam, with the
+    conventions of :class:`DecodeOutput` (drop-in where greedy output is used); ``scores`` (B,)
+    its ranking score; ``beam_ids`` (B, K, max_len) and ``beam_scores`` (B, K) all K beams,
+    best first. A beam scored -inf is filler (only when K exceeds the number of hypotheses)."""
+
+    ids: Array
+    log_probs: Array
+    scores: Array
+    beam_ids: Array
+    beam_scores: Array
+
+
+def gnmt_length_penalty(lengths: Array, alpha: float) -> Array:
+    """lp(len) = ((5 + len) / 6) ** alpha (Wu et al., 2016); ``lengths`` count predicted
+    tokens, END included."""
+    return ((5.0 + lengths.astype(jnp.float32)) / 6.0) ** alpha
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty")
+)
+def _beam_search(
+    model: nn.Module,
+    variables: Any,
+    before: Any,
+    after: Any,
+    beam_size: int,
+    max_len: int,
+    length_penalty: float,
+) -> BeamOutput:
+    K = beam_size
+    variables = _without_cache(variables)
+    memory = model.apply(variables, before, after, method="encode")
+    batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
+    # Encode once at batch B; the decoder works on B*K rows, batch-major (row b*K + k).
+    memory = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), memory)
+    _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
+
+    ids = jnp.zeros((batch, K, max_len), jnp.int32).at[:, :, 0].set(START_ID)
+    log_probs = jnp.zeros((batch, K, max_len), jnp.float32)
+    # Only beam 0 is live at first, so step 0 expands one copy of START instead of K.
+    scores = jnp.full((batch, K), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    finished = jnp.broadcast_to(jnp.arange(K) > 0, (batch, K))
+    lengths = jnp.zeros((batch, K), jnp.int32)
+    symbol = jnp.full((batch * K,), START_ID, jnp.int32)
+    row_base = jnp.arange(batch)[:, None] * K
+
+    def cond(carry: tuple) -> Array:
+        k, _, finished, *_ = carry
+        return jnp.logical_and(k < max_len - 1, jnp.logical_not(jnp.all(finished)))
+
+    def body(carry: tuple) -> tuple:
+        k, symbol, finished, scores, lengths, ids, log_probs, cache = carry
+        logits, mutated = model.apply(
+            {**variables, "cache": cache}, symbol, k, method="decode_step", mutable=["cache"]
+        )
+        vocab = logits.shape[-1]
+        lp = _next_token_log_probs(logits).reshape(batch, K, vocab)
+        # A finished beam has one continuation, PAD at log-prob 0, so its score stays fixed
+        # and it keeps competing for a slot with the live beams.
+        pad_only = jnp.where(jnp.arange(vocab) == PAD_ID, 0.0, -jnp.inf)
+        lp = jnp.where(finished[..., None], pad_only, lp)
+        # Two-stage top-k (same selection as top-K of all K*V candidates, since a global winner
+        # is among its own beam's top K): ranking inside a beam on the log-probs themselves, not
+        # on score + log-prob, keeps float rounding from merging them into ties, and lax.top_k,
+        # like argmax, puts the lower index first on a tie, so K = 1 is greedy exactly.
+        per_beam = min(K, vocab)
+        top_lp, top_tok = jax.lax.top_k(lp, per_beam)  # (B, K, per_beam)
+        candidates = (scores[..., None] + top_lp).reshape(batch, K * per_beam)
+        scores, flat = jax.lax.top_k(candidates, K)
+        parent = flat // per_beam
+        token = jnp.take_along_axis(top_tok.reshape(batch, -1), flat, axis=1)
+        chosen = jnp.take_along_axis(top_lp.reshape(batch, -1), flat, axis=1)
+
+        live = jnp.logical_not(jnp.take_along_axis(finished, parent, axis=1))
+        # -inf only arises from filler beams, which then stay finished (as filler).
+        finished = (~live) | (token == END_ID) | jnp.isneginf(scores)
+        chosen = jnp.where(live, chosen, 0.0)
+        new_symbol = token * jnp.logical_not(finished)  # END and everything after it become 0
+        lengths = jnp.take_along_axis(lengths, parent, axis=1) + live.astype(jnp.int32)
+        ids = jnp.take_along_axis(ids, parent[..., None], axis=1).at[:, :, k + 1].set(new_symbol)
+        log_probs = jnp.take_along_axis(log_probs, parent[..., None], axis=1)
+        log_probs = log_probs.at[:, :, k + 1].set(chosen)
+        # Each new beam continues its parent's prefix: every cache leaf (batch-leading, B*K rows)
+        # takes the parent's row. Parents never cross batch rows (top-k is per row).
+        rows = (row_base + parent).reshape(-1)
+        cache = jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), mutated["cache"])
+        return k + 1, new_symbol.reshape(-1), finished, scores, lengths, ids, log_probs, cache
+
+    init = (jnp.int32(0), symbol, finished, scores, lengths, ids, log_probs, state["cache"])
+    _, _, _, scores, lengths, ids, log_probs, _ = jax.lax.while_loop(cond, body, init)
+
+    ranking = scores
+    if length_penalty != 0.0:  # static: alpha = 0 keeps the raw sums bit for bit
+        ranking = scores / gnmt_length_penalty(lengths, length_penalty)
+    beam_scores, order = jax.lax.top_k(ranking, K)
+    beam_ids = jnp.take_along_axis(ids, order[..., None], axis=1)
+    beam_log_probs = jnp.take_along_axis(log_probs, order[..., None], axis=1)
+    return BeamOutput(
+        beam_ids[:, 0], beam_log_probs[:, 0], beam_scores[:, 0], beam_ids, beam_scores
+    )
+
+
+def beam_search(
+    model: nn.Module,
+    variables: Any,
+    before: Any,
+    after: Any,
+    *,
+    beam_size: int,
+    max_len: int,
+    length_penalty: float = 0.0,
+) -> BeamOutput:
+    """Beam search with the key/value cache (jitted per model / beam_size / max_len /
+    length_penalty; see the module docstring).
+
+    ``beam_size`` K beams per example; the decoder runs on B*K rows, so the cache and the
+    repeated memory take K times greedy's memory. ``length_penalty`` alpha >= 0 only reranks
+    the K final hypotheses by sum / ((5 + len) / 6) ** alpha (the search keeps ranking by raw
+    sums); 0 returns the highest-sum beam. ``beam_size=1`` equals :func:`greedy_decode` token
+    for token. Returns :class:`BeamOutput`, whose ``ids`` / ``log_probs`` replace greedy's."""
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    return _beam_search(
+        model, variables, before, after, int(beam_size), int(max_len), float(length_penalty)
+    )

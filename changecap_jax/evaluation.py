@@ -545,7 +545,20 @@ def evaluate_pairs(records: list[PairCaption], *, spice: str = "auto") -> dict[s
     return metrics
 
 
-_TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+def per_pair_cider(records: Sequence[PairCaption]) -> dict[str, float]:
+    """Each pair's CIDEr-D x100 within the whole set (its idf), as the "total" row scores it:
+    the mean of these values is the total CIDEr."""
+    _check_records(records)
+    tokenized = tokenize_captions({r.image_id: r.caption for r in records},
+                                  {r.image_id: list(r.references) for r in records})
+    ids = [r.image_id for r in records]
+    _, scores = Cider().compute_score({i: tokenized.references[i] for i in ids},
+                                      {i: [tokenized.predictions[i]] for i in ids})
+    return {i: float(v) * 100.0 for i, v in zip(ids, scores, strict=True)}
+
+
+# (column label, metric key) of the papers' table.
+TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("B4", "Bleu_4"),
     ("M", "METEOR"),
     ("R", "ROUGE_L"),
@@ -577,7 +590,7 @@ def format_table(metrics: Mapping[str, Any]) -> str:
         sub = metrics.get(name)
         if isinstance(sub, Mapping):
             rows.append((name, sub))
-    columns = [(label, key) for label, key in _TABLE_COLUMNS if key in metrics]
+    columns = [(label, key) for label, key in TABLE_COLUMNS if key in metrics]
     name_w = max(len(name) for name, _ in rows)
     header = f"{'':<{name_w}}" + "".join(f" {label:>8}" for label, _ in columns) + f" {'N':>7}"
     lines = [header]

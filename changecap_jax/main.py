@@ -5,6 +5,9 @@
     --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
                                          score the latest checkpoint on the final splits
+    --model=DIR                          with --mode=eval: score an exported model
+                                         (python -m changecap_jax.export) instead; --config
+                                         is then optional (it overrides all but the model)
     --multihost                          call jax.distributed.initialize first
 """
 
@@ -21,6 +24,7 @@ config_flags.DEFINE_config_file("config", None, "Model config file.", lock_confi
 flags.DEFINE_string("workdir", None, "Output directory (default: workdir/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do.")
 flags.DEFINE_integer("checkpoint_step", None, "For --mode=eval: step to restore (latest).")
+flags.DEFINE_string("model", None, "For --mode=eval: an exported model directory.")
 flags.DEFINE_bool("multihost", False, "Initialise jax.distributed (multi-host runs).")
 flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port.")
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
@@ -40,6 +44,15 @@ def main(argv: list[str]) -> None:
         parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                         FLAGS.process_id, FLAGS.cpu_collectives)
     config = FLAGS.config
+    if FLAGS.model is not None:
+        if FLAGS.mode != "eval":
+            raise app.UsageError("--model is for --mode=eval (train from a config)")
+        workdir = FLAGS.workdir or os.path.join(
+            "workdir", "eval_" + os.path.basename(os.path.normpath(FLAGS.model)))
+        train.evaluate_exported(FLAGS.model, workdir, config)
+        return
+    if config is None:
+        raise app.UsageError("--config is required (or --mode=eval --model=DIR)")
     workdir = FLAGS.workdir
     if workdir is None:
         name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
@@ -52,5 +65,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    flags.mark_flag_as_required("config")
     app.run(main)

@@ -6,18 +6,25 @@ the small part of them the trainer uses.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
 class MetricWriter:
-    def __init__(self, logdir: str | os.PathLike, enabled: bool = True):
+    def __init__(self, logdir: str | os.PathLike, enabled: bool = True,
+                 scalars_file: str | os.PathLike | None = None):
+        """``scalars_file``: also append every write as one JSON line {"step", name: value}
+        (the report's learning curves read it; no TensorBoard reader needed)."""
         self.enabled = enabled
         self._writer = None
+        self._scalars_file = Path(scalars_file) if scalars_file else None
         if enabled:
             from tensorboardX import SummaryWriter
 
@@ -29,6 +36,11 @@ class MetricWriter:
         values = {k: float(np.asarray(v)) for k, v in scalars.items()}
         for k, v in values.items():
             self._writer.add_scalar(k, v, step)
+        if self._scalars_file is not None:
+            line = json.dumps({"step": int(step), **{k: v if math.isfinite(v) else None
+                                                     for k, v in values.items()}})
+            with self._scalars_file.open("a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
         logging.info("[%d] %s", step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
     def close(self) -> None:

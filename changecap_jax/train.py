@@ -28,11 +28,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import decoding, evaluation, models, parallel
+from changecap_jax import decoding, evaluation, export, models, parallel
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
 
+SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
 STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
     "semantic": ("after_semantic", "change_captions", ""),
     "distractor": ("after_distractor", "no_change_captions", "_n"),
@@ -315,7 +316,9 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         config = self.config
-        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main)
+        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main,
+                              scalars_file=self.workdir / SCALARS_FILE)
+        export.save_config(self.workdir, config)  # what export and report rebuild the run from
         manager = self.checkpoint_manager()
         state = self.init_state()
         iterator = iter(self.train_loader())
@@ -368,7 +371,14 @@ class Trainer:
     def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
                   key: jax.Array) -> jax.Array:
         variables = {"params": params}
-        if self.config.decode.sample:
+        decode = self.config.decode
+        if decode.get("beam_size", 1) > 1:
+            if decode.sample:
+                raise ValueError("decode.sample and decode.beam_size > 1 exclude each other")
+            return decoding.beam_search(self.model, variables, before, after,
+                                        beam_size=decode.beam_size, max_len=self.max_len,
+                                        length_penalty=decode.get("length_penalty", 0.0)).ids
+        if decode.sample:
             return decoding.sample_decode(self.model, variables, before, after, key,
                                           max_len=self.max_len).ids
         return decoding.greedy_decode(self.model, variables, before, after,
@@ -460,6 +470,39 @@ def _host_record(batch: dict, j: int) -> dict:
 
 def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def evaluate_exported(model_dir: str | os.PathLike, workdir: str | os.PathLike,
+                      config: ml_collections.ConfigDict | None = None) -> dict[str, Any]:
+    """``--mode=eval --model=DIR``: scores an exported model (``changecap_jax.export``) on the
+    final splits, writing captions/ and metrics/ into ``workdir``. Without ``config`` the run
+    uses the exported config; with one, every field but ``model`` comes from it (another
+    dataset directory, decoding, splits), and the dataset's vocabulary must be the model's."""
+    exported = export.load_exported(model_dir)
+    run = exported.config
+    if config is not None:
+        run = ml_collections.ConfigDict(config.to_dict())
+        run.model = exported.config.model
+    trainer = Trainer(run, workdir)
+    if trainer.dataset.vocab != exported.vocab:
+        raise datasets.DatasetError(
+            f"dataset {trainer.dataset.name!r} in {trainer.dataset.directory} has another "
+            f"vocabulary ({len(trainer.dataset.vocab)} words) than the model in {model_dir} "
+            f"({len(exported.vocab)} words)")
+    if trainer.max_len != exported.max_len:
+        raise datasets.DatasetError(
+            f"the model in {model_dir} decodes {exported.max_len} tokens but this run "
+            f"{trainer.max_len}; set --config.decode.max_len={exported.max_len}")
+    export.check_parameters(exported.params, export.parameter_shapes(
+        trainer.model, trainer.dataset.meta, trainer.max_len), str(model_dir))
+    params = jax.device_put(exported.params, parallel.replicated(trainer.mesh))
+    state = TrainState(step=jnp.int32(exported.step), params=params, opt_state=None,
+                       rng=trainer.rng)
+    results = {s: trainer.evaluate(state, s, exported.step) for s in run.final_eval_splits}
+    if trainer.is_main:
+        logging.info("eval results: %s", json.dumps(
+            {s: {k: v for k, v in m.items() if isinstance(v, float)} for s, m in results.items()}))
+    return results
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str | os.PathLike,

@@ -61,6 +61,9 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.decode = ml_collections.ConfigDict({
         "sample": False,  # greedy (test-time protocol); True = multinomial sampling
         "max_len": 0,  # 0 = the dataset's maximum caption length
+        # > 1: beam search (every model; the official code decodes greedily, beam 1 = greedy)
+        "beam_size": 1,
+        "length_penalty": 0.0,  # GNMT alpha for ranking beams; 0 = the highest log-probability
     })
     config.spice = "auto"
     return config

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from changecap_jax import export
 from changecap_jax.convert import mapping
 from changecap_jax.convert.errors import ConversionError, KeyMismatchError
 from changecap_jax.convert.torch_checkpoint import (
@@ -336,4 +337,5 @@ def convert_checkpoint(
     finally:
         manager.close()
     report.workdir = str(workdir)
+    export.save_config(workdir, config)  # so export / report can rebuild the run
     return report

@@ -4,6 +4,19 @@ A model is a Flax module whose ``__call__(batch, *, train, axis_name=None)`` ret
 :class:`ModelOutput`. The trainer turns each caption stream into a cross-entropy averaged over
 the GLOBAL count of real target tokens, averages the streams, and adds every auxiliary loss
 times ``config.loss_weights[name]``. It never looks at which model produced the output.
+
+Where a model looked (the one hook ``changecap_jax.explain`` uses for heatmaps, for every
+model): each cross-attention of the decoder to its memory sows its probabilities
+(B, heads, Lq, M) into the collection :data:`ATTENTION` when that collection is mutable
+(``model.apply(..., method="decode", mutable=[ATTENTION])``), and the model class states in
+``MEMORY_LAYOUT`` how its M memory slots lie on the images:
+
+* ``"shared_grid"``: slot n is grid cell n (row-major H x W) of both images, because the
+  memory is built per grid position from the before and after features together (DIRL,
+  SCORER, Subtraction);
+* ``"before_after"``: slots 0..N-1 are the before grid, N..2N-1 the after grid;
+* any extra slots after those (e.g. retrieved entities) are not on an image and are left out
+  of the heatmaps.
 """
 
 from __future__ import annotations
@@ -11,6 +24,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
+MEMORY_LAYOUTS = ("shared_grid", "before_after")
 IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
 
 

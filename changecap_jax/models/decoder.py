@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dirl import caption_mask
 from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
 
@@ -49,6 +50,7 @@ def multi_head_attend(
     additive_mask: Array | None = None,
     dropout: nn.Dropout | None = None,
     deterministic: bool = True,
+    sow_to: nn.Module | None = None,
 ) -> Array:
     """softmax(Q_h K_h^T / sqrt(d_h) [+ mask]) -> dropout -> . V_h, heads merged; no output
     projection (the official SCORER encoder and decoder attention, §3.1 step 4 / §3.2).
@@ -64,6 +66,9 @@ def multi_head_attend(
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
     probs = jax.nn.softmax(scores, axis=-1)
+    # A decoder's cross-attention (models/base.py ATTENTION); not at init, which would keep it.
+    if sow_to is not None and not sow_to.is_initializing():
+        sow_to.sow(ATTENTION, "probs", probs)
     if dropout is not None:
         probs = dropout(probs, deterministic=deterministic)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, vh).reshape(b, lq, e)
@@ -85,6 +90,7 @@ class SpeakerAttention(nn.Module):
     hidden_dim: int
     num_heads: int
     dropout_rate: float = 0.1
+    sow_probs: bool = False  # the decoder-encoder attention exposes its probabilities
 
     def setup(self) -> None:
         if self.hidden_dim % self.num_heads:
@@ -100,7 +106,8 @@ class SpeakerAttention(nn.Module):
     ) -> Array:
         return multi_head_attend(
             self.query(x_q), self.key(x_kv), self.value(x_kv), self.num_heads,
-            additive_mask=additive_mask, dropout=self.dropout, deterministic=deterministic)
+            additive_mask=additive_mask, dropout=self.dropout, deterministic=deterministic,
+            sow_to=self if self.sow_probs else None)
 
     # ---- incremental decoding (eval mode) -------------------------------------------------
 
@@ -129,7 +136,8 @@ class SpeakerAttention(nn.Module):
     def step_cross(self, x: Array) -> Array:
         keys = self.get_variable("cache", "memory_key")
         values = self.get_variable("cache", "memory_value")
-        return multi_head_attend(self.query(x), keys, values, self.num_heads)
+        return multi_head_attend(self.query(x), keys, values, self.num_heads,
+                                 sow_to=self if self.sow_probs else None)
 
 
 class Intermediate(nn.Module):
@@ -172,10 +180,11 @@ class SpeakerLayer(nn.Module):
     layer_norm_eps: float = 1e-6
 
     def setup(self) -> None:
-        attention = lambda: SpeakerAttention(self.hidden_dim, self.num_heads, self.dropout_rate)
+        attention = lambda **kw: SpeakerAttention(self.hidden_dim, self.num_heads,
+                                                  self.dropout_rate, **kw)
         self.self_attention = attention()
         self.norm1 = torch_layer_norm(self.layer_norm_eps)
-        self.dec_enc_attention = attention()
+        self.dec_enc_attention = attention(sow_probs=True)
         self.hidden_intermediate = Intermediate(self.hidden_dim)
         self.norm2 = torch_layer_norm(self.layer_norm_eps)
         self.output = Output(self.hidden_dim, self.dropout_rate, self.layer_norm_eps)

@@ -88,7 +88,7 @@ Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_ca
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -247,14 +247,15 @@ class CCRLayer(nn.Module):
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
-        attention = lambda: MultiheadAttention(
+        attention = lambda **kw: MultiheadAttention(
             self.hidden_dim,
             self.num_heads,
             dropout_rate=self.dropout_rate,
             out_kernel_init=self.kernel_init,
+            **kw,
         )
         self.self_att = attention()
-        self.cross_att = attention()
+        self.cross_att = attention(sow_probs=True)
         self.norm1 = torch_layer_norm(self.layer_norm_eps)
         self.norm2 = torch_layer_norm(self.layer_norm_eps)
         self.norm3 = torch_layer_norm(self.layer_norm_eps)
@@ -410,6 +411,9 @@ class DIRLCCR(nn.Module):
     from the batch. ``pairs="both"`` trains on the semantic and the distractor pair
     (CLEVR-Change); ``"semantic_only"`` on the semantic pair alone (CLEVR-DC).
     """
+
+    # The decoder memory holds one slot per grid cell, from both images (models/base.py).
+    MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
 
     vocab_size: int
     max_len: int

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from changecap_jax.models.base import ATTENTION
+
 Array = jax.Array
 Initializer = Callable[..., Array]
 
@@ -166,6 +168,7 @@ class MultiheadAttention(nn.Module):
     dropout_rate: float = 0.0
     qkv_kernel_init: Initializer = in_proj_xavier_uniform
     out_kernel_init: Initializer = torch_default_kernel_init
+    sow_probs: bool = False  # a decoder's cross-attention: expose it (models/base.py ATTENTION)
 
     def setup(self) -> None:
         if self.embed_dim % self.num_heads:
@@ -201,6 +204,8 @@ class MultiheadAttention(nn.Module):
         if mask is not None:
             scores = jnp.where(mask, scores, -jnp.inf)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        if self.sow_probs and not self.is_initializing():  # init would keep them as variables
+            self.sow(ATTENTION, "probs", probs)  # a no-op unless ATTENTION is mutable
         probs = self.attn_dropout(probs, deterministic=deterministic)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return self.out_proj(ctx.reshape(*ctx.shape[:-2], self.embed_dim))

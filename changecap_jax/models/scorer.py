@@ -100,7 +100,7 @@ Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_ca
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -390,6 +390,9 @@ class SCORERCBR(nn.Module):
     ``match_chunk_size``: columns of the batch-wide matching per step (memory vs speed only).
     ``cbr_mean_by_length``: fix of S-Q8 (official: False).
     """
+
+    # The decoder memory holds one slot per grid cell, from both images (models/base.py).
+    MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
 
     vocab_size: int
     max_len: int

@@ -25,6 +25,8 @@ No auxiliary losses: the baseline has neither the cross-view contrastive alignme
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -68,6 +70,9 @@ class SubtractionEncoder(nn.Module):
 
 class Subtraction(nn.Module):
     """Subtraction encoder + SCORER's Speaker decoder; no auxiliary losses."""
+
+    # The decoder memory holds one slot per grid cell, from both images (models/base.py).
+    MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
 
     vocab_size: int
     max_len: int

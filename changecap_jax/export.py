@@ -1,0 +1,325 @@
+"""Self-contained exported models: ``python -m changecap_jax.export --workdir=DIR --out=DIR``.
+
+An exported directory holds everything ``predict`` and ``--mode=eval --model=DIR`` need,
+without the training workdir or the dataset:
+
+* ``model.json``: format version, the library versions that wrote it, the training config,
+  the checkpoint step, the training data's metadata (feature shape, caption length, change
+  types, tokenizer), the feature extractor to use on new images, the metrics the checkpoint
+  reached (every ``metrics/<split>_<step>.json`` of the workdir at that step) and the shape of
+  every parameter;
+* ``params.msgpack``: the parameters (``flax.serialization``; no optimiser state);
+* ``vocab.json``: the vocabulary.
+
+Loading checks the format version, compares the library versions (a different jax / flax
+only warns: parameters are plain arrays), rebuilds the model from the config and checks every
+parameter's presence and shape, naming what is wrong.
+
+    --workdir=DIR       a training (or convert) workdir with checkpoints/ and config.json
+    --out=DIR           the export directory (must not exist, or be empty)
+    --step=N            the checkpoint to export (default: the best by val CIDEr if the
+                        workdir kept one, else the latest)
+    --config=FILE       only for workdirs without config.json (written by the trainer and
+                        the converter since this feature landed)
+    --weights=PATH      ResNet-101 weights to record for a resnet101 extractor (``predict``
+                        can also take --weights)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from changecap_jax import models
+from changecap_jax.data import schema
+from changecap_jax.data.vocab import Vocabulary
+from changecap_jax.jsonio import read_json, write_json_atomic
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.json"
+PARAMS_FILE = "params.msgpack"
+VOCAB_FILE = "vocab.json"
+CONFIG_FILE = "config.json"  # in a workdir: the run's config, written by the trainer
+
+
+class ExportError(ValueError):
+    """A workdir that cannot be exported or an exported directory that cannot be loaded."""
+
+
+def library_versions() -> dict[str, str]:
+    return {"jax": jax.__version__, "flax": flax.__version__, "numpy": np.__version__}
+
+
+def save_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
+    """Writes a run's config as ``<workdir>/config.json`` (process 0 only)."""
+    if jax.process_index() == 0:
+        write_json_atomic(Path(workdir) / CONFIG_FILE, json.loads(config.to_json_best_effort()),
+                          indent=1)
+
+
+def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A config read back from JSON; lists become tuples again (JSON has no tuples)."""
+
+    def tuples(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: tuples(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return tuple(tuples(v) for v in x)
+        return x
+
+    return ml_collections.ConfigDict(tuples(data))
+
+
+def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+    path = Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise ExportError(f"{path} does not exist: this workdir predates config.json; pass "
+                          f"the run's config with --config=configs/MODEL.py[:PRESET]")
+    return config_from_json(read_json(path, "run config"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The exported model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ExportedModel:
+    """An exported model, loaded: build the Flax module with :meth:`module`."""
+
+    directory: Path
+    config: ml_collections.ConfigDict
+    params: Any
+    vocab: Vocabulary
+    meta: schema.DatasetMeta
+    extractor: dict[str, Any]
+    metrics: dict[str, Any]
+    step: int
+
+    @property
+    def max_len(self) -> int:
+        return int(self.config.decode.max_len or self.meta.max_caption_len)
+
+    def module(self) -> Any:
+        return models.build(self.config.model, vocab_size=len(self.vocab), max_len=self.max_len)
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        return {"params": self.params}
+
+
+def extractor_description(meta: schema.DatasetMeta, weights: str | None = None) -> dict[str, Any]:
+    """How to turn a new image into the model's input features, from the training data's
+    metadata (``meta.extractor``)."""
+    name = meta.extractor
+    if name == "synthetic_grid":
+        return {"name": "synthetic_grid", "feature_shape": list(meta.feature_shape),
+                "image_size": list(meta.image_size) if meta.image_size else None}
+    if name.startswith("resnet101_layer"):
+        layer = int(name[len("resnet101_layer")])
+        return {"name": "resnet101", "layer": layer, "std_fix": name.endswith("_stdfix"),
+                "feature_shape": list(meta.feature_shape),
+                "weights": str(Path(weights).resolve()) if weights else None}
+    return {"name": name or "unknown", "feature_shape": list(meta.feature_shape)}
+
+
+def example_batch(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[str, jax.Array]:
+    """Zeros shaped like one training example of every stream the model trains on."""
+    h, w, c = meta.feature_shape
+    grid = jnp.zeros((1, h, w, c), jnp.float32)
+    caption = jnp.zeros((1, max_len), jnp.int32).at[:, 0].set(2)
+    batch = {"before": grid, "after_semantic": grid, "change_caption": caption}
+    if "distractor" in tuple(getattr(model, "streams", ("semantic",))):
+        batch.update(after_distractor=grid, no_change_caption=caption)
+    return batch
+
+
+def parameter_shapes(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[str, tuple]:
+    """'/'-joined parameter path -> shape, for ``model`` on data of ``meta`` (no compute)."""
+    batch = example_batch(model, meta, max_len)
+    shapes = jax.eval_shape(
+        lambda b: model.init({"params": jax.random.key(0)}, b, train=False), batch)["params"]
+    return {"/".join(k): tuple(v.shape)
+            for k, v in flax.traverse_util.flatten_dict(shapes).items()}
+
+
+def check_parameters(params: Any, expected: dict[str, tuple], where: str) -> None:
+    """Every expected parameter present with its shape, nothing else; raises naming each."""
+    found = {"/".join(k): tuple(np.shape(v))
+             for k, v in flax.traverse_util.flatten_dict(params).items()}
+    problems = [f"missing parameter {k} {expected[k]}" for k in sorted(set(expected) - set(found))]
+    problems += [f"unexpected parameter {k} {found[k]}" for k in sorted(set(found) - set(expected))]
+    problems += [f"parameter {k} has shape {found[k]}, the model expects {expected[k]}"
+                 for k in sorted(set(found) & set(expected)) if found[k] != expected[k]]
+    if problems:
+        raise ExportError(f"{where}: the parameters do not fit the model of its config:\n  "
+                          + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def _metrics_at(workdir: Path, step: int) -> dict[str, Any]:
+    metrics = {}
+    for path in sorted((workdir / "metrics").glob(f"*_{step}.json")):
+        split = path.stem[: -len(f"_{step}")]
+        metrics[split] = read_json(path, "metrics file")
+    return metrics
+
+
+def _pick_step(manager: Any, workdir: Path) -> int:
+    """The kept checkpoint with the best val CIDEr (metrics/val_<step>.json), else the latest."""
+    scored = []
+    for step in manager.all_steps():
+        path = workdir / "metrics" / f"val_{step}.json"
+        if path.exists():
+            scored.append((float(read_json(path, "metrics file")["CIDEr"]), step))
+    return int(max(scored)[1] if scored else manager.latest_step())
+
+
+def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+                 config: ml_collections.ConfigDict | None = None,
+                 weights: str | None = None) -> Path:
+    """Writes the export directory ``out`` from a workdir's checkpoint (see the module
+    docstring); atomic: a temporary sibling directory renamed at the end."""
+    from changecap_jax import train
+
+    workdir, out = Path(workdir), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
+    config = config if config is not None else load_workdir_config(workdir)
+    trainer = train.Trainer(config, workdir)
+    manager = trainer.checkpoint_manager()
+    if manager.latest_step() is None:
+        raise ExportError(f"no checkpoint in {workdir / 'checkpoints'}")
+    step = _pick_step(manager, workdir) if step is None else step
+    if step not in manager.all_steps():
+        raise ExportError(f"no checkpoint of step {step} in {workdir / 'checkpoints'}; "
+                          f"there are {sorted(manager.all_steps())}")
+    state = trainer.restore(manager, trainer.init_state(), step=step)
+    params = jax.device_get(state.params)
+    meta = trainer.dataset.meta
+    description = {
+        "format_version": FORMAT_VERSION,
+        "versions": library_versions(),
+        "step": int(step),
+        "config": json.loads(config.to_json_best_effort()),
+        "dataset": {"name": trainer.dataset.name, "directory": str(trainer.dataset.directory),
+                    "meta": dataclasses.asdict(meta)},
+        "extractor": extractor_description(meta, weights),
+        "metrics": _metrics_at(workdir, step),
+        "parameters": {k: list(v) for k, v in
+                       parameter_shapes(trainer.model, meta, trainer.max_len).items()},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / PARAMS_FILE).write_bytes(flax.serialization.msgpack_serialize(
+            jax.tree_util.tree_map(np.asarray, params)))
+        trainer.dataset.vocab.save(tmp / VOCAB_FILE)
+        write_json_atomic(tmp / MODEL_FILE, description, indent=1)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logging.info("exported step %d of %s to %s", step, workdir, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------
+
+
+def load_exported(directory: str | os.PathLike) -> ExportedModel:
+    """Reads and checks an export directory (see the module docstring)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ExportError(f"{directory} is not a directory (an exported model is a directory "
+                          f"made by python -m changecap_jax.export)")
+    for name in (MODEL_FILE, PARAMS_FILE, VOCAB_FILE):
+        if not (directory / name).is_file():
+            raise ExportError(f"{directory} is not a complete exported model: {name} is missing")
+    desc = read_json(directory / MODEL_FILE, "exported model description")
+    version = desc.get("format_version")
+    if not isinstance(version, int):
+        raise ExportError(f"{directory / MODEL_FILE}: no integer format_version")
+    if version > FORMAT_VERSION:
+        raise ExportError(f"{directory} was exported in format {version} by a newer "
+                          f"changecap_jax; this one reads format {FORMAT_VERSION}: upgrade")
+    missing = [k for k in ("step", "config", "dataset", "extractor", "parameters") if k not in desc]
+    if missing:
+        raise ExportError(f"{directory / MODEL_FILE} lacks {missing}")
+    for lib, have in library_versions().items():
+        wrote = desc.get("versions", {}).get(lib)
+        if wrote and wrote.split(".")[:2] != have.split(".")[:2]:
+            logging.warning("%s was exported with %s %s; this is %s %s", directory, lib, wrote,
+                            lib, have)
+    try:
+        meta = schema.DatasetMeta(**desc["dataset"]["meta"])
+    except TypeError as e:
+        raise ExportError(f"{directory / MODEL_FILE}: dataset.meta is malformed: {e}") from e
+    meta.feature_shape = tuple(meta.feature_shape)
+    if meta.image_size is not None:
+        meta.image_size = tuple(meta.image_size)
+    vocab = Vocabulary.load(directory / VOCAB_FILE, meta.tokenizer)
+    config = config_from_json(desc["config"])
+    try:
+        params = flax.serialization.msgpack_restore((directory / PARAMS_FILE).read_bytes())
+    except Exception as e:  # msgpack raises several types on corrupt data
+        raise ExportError(f"{directory / PARAMS_FILE} cannot be read: {e}") from e
+    exported = ExportedModel(directory=directory, config=config, params=params, vocab=vocab,
+                             meta=meta, extractor=dict(desc["extractor"]),
+                             metrics=dict(desc.get("metrics", {})), step=int(desc["step"]))
+    recorded = {k: tuple(v) for k, v in desc["parameters"].items()}
+    expected = parameter_shapes(exported.module(), meta, exported.max_len)
+    if recorded != expected:
+        raise ExportError(
+            f"{directory}: the model its config builds here ({config.model.name}) has other "
+            f"parameters than the exported one; differing: "
+            f"{sorted(set(recorded.items()) ^ set(expected.items()))[:8]}")
+    check_parameters(params, expected, str(directory / PARAMS_FILE))
+    return exported
+
+
+def main(argv: list[str]) -> None:
+    from absl import app, flags  # noqa: F401  (flags defined below)
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    flags_ = flags.FLAGS
+    config = flags_.config if flags_["config"].present else None
+    out = export_model(flags_.workdir, flags_.out, step=flags_.step, config=config,
+                       weights=flags_.weights)
+    exported = load_exported(out)
+    print(f"exported {flags_.workdir} step {exported.step} -> {out} "
+          f"({sum(np.size(x) for x in jax.tree_util.tree_leaves(exported.params))} parameters, "
+          f"extractor {exported.extractor['name']})")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Run config (workdirs without config.json).")
+    flags.DEFINE_string("workdir", None, "Training or convert workdir.", required=True)
+    flags.DEFINE_string("out", None, "Export directory to create.", required=True)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: best by val CIDEr, else latest).")
+    flags.DEFINE_string("weights", None, "ResNet-101 weights to record for predict.")
+    app.run(main)

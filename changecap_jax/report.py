@@ -1,0 +1,197 @@
+"""One static HTML page of an evaluation: ``python -m changecap_jax.report --workdir=DIR``.
+
+    --workdir=DIR     a training (or convert) workdir: config.json, checkpoints/, metrics/,
+                      captions/ and scalars.jsonl, as the trainer writes them
+    --split=test      the evaluated split
+    --step=N          the evaluation step (default: the latest with a captions file)
+    --out=PATH        the page (default DIR/report_<split>_<step>.html)
+    --max_gallery=N   pairs shown, the worst by CIDEr first (default 500)
+
+The page (``report_html``) has the metric table (total and per change type), learning curves
+of every logged scalar, and a gallery of pairs sortable by per-pair CIDEr (worst first):
+generated caption, references and, where the dataset keeps its images (the synthetic set),
+the before and after images with the model's attention heatmap (``explain``), computed from
+the checkpoint of that step over the generated caption. No server, no external assets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from changecap_jax import evaluation, explain, export, train
+from changecap_jax.data import datasets
+from changecap_jax.data.vocab import START_ID
+from changecap_jax.jsonio import read_json
+from changecap_jax.report_html import GalleryEntry, write_report
+
+THUMBNAIL_HEIGHT = 160
+
+
+class ReportError(ValueError):
+    """A workdir that lacks what the report needs (the message says what)."""
+
+
+def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """scalars.jsonl -> name -> [(step, value)], the last value logged for a step winning
+    (a resumed run logs some steps again)."""
+    curves: dict[str, dict[int, float]] = {}
+    if not path.exists():
+        return {}
+    for n, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = int(row.pop("step"))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ReportError(f"{path} line {n + 1} is not a scalars record: {e}") from e
+        for name, value in row.items():
+            curves.setdefault(name, {})[step] = math.nan if value is None else float(value)
+    return {name: sorted(points.items()) for name, points in sorted(curves.items())}
+
+
+def latest_evaluated_step(workdir: Path, split: str) -> int:
+    steps = [int(m.group(1)) for p in (workdir / "captions").glob(f"{split}_*.json")
+             if (m := re.fullmatch(rf"{re.escape(split)}_(\d+)\.json", p.name))]
+    if not steps:
+        raise ReportError(f"no evaluation of split {split!r} in {workdir / 'captions'}: run "
+                          f"--mode=eval (or train with it in final_eval_splits) first")
+    return max(steps)
+
+
+def _png(image: np.ndarray) -> bytes:
+    h, w = image.shape[:2]
+    width = max(1, round(w * THUMBNAIL_HEIGHT / h))
+    buf = io.BytesIO()
+    Image.fromarray(image).resize((width, THUMBNAIL_HEIGHT), Image.BILINEAR).save(
+        buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def caption_ids(caption: str, vocab: Any, max_len: int) -> np.ndarray:
+    """A generated caption back to decoder ids (START, words, 0 from END on, as decoding
+    writes them); decoded captions never hold UNK, so this is exact."""
+    ids = np.zeros((max_len,), np.int32)
+    ids[0] = START_ID
+    words = [vocab.word_to_id[w] for w in caption.split()][: max_len - 1]
+    ids[1:1 + len(words)] = words
+    return ids
+
+
+def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, str, str]],
+                   batch_size: int) -> list[dict[str, bytes]]:
+    """For (record, after key, caption) triples: before / after PNG thumbnails with the
+    heatmap of the caption drawn over them (empty dicts where the images are not kept)."""
+    dataset, model = trainer.dataset, trainer.model
+    out: list[dict[str, bytes]] = [{} for _ in pairs]
+    todo = [i for i, (record, _, _) in enumerate(pairs)
+            if datasets.image_paths(dataset, record) is not None]
+    for start in tqdm(range(0, len(todo), batch_size), desc="heatmaps", dynamic_ncols=True):
+        chunk = todo[start:start + batch_size]
+        take = chunk + [chunk[-1]] * (batch_size - len(chunk))  # one shape: one compile
+        before = np.stack([pairs[i][0]["before"] for i in take]).astype(np.float32)
+        after = np.stack([pairs[i][0][pairs[i][1]] for i in take]).astype(np.float32)
+        ids = np.stack([caption_ids(pairs[i][2], dataset.vocab, trainer.max_len) for i in take])
+        maps = explain.attention_maps(model, {"params": params}, before, after, ids)
+        for j, i in enumerate(chunk):
+            record, after_key, _ = pairs[i]
+            paths = datasets.image_paths(dataset, record)
+            images = {}
+            for name, key, heat in (("before", "before", maps.before[j]),
+                                    ("after", after_key, maps.after[j])):
+                with Image.open(paths[key]) as im:
+                    images[name] = _png(explain.overlay(np.asarray(im.convert("RGB")), heat))
+            out[i] = images
+    return out
+
+
+def build_report(workdir: str | os.PathLike, split: str = "test", step: int | None = None,
+                 out: str | os.PathLike | None = None, max_gallery: int = 500) -> Path:
+    workdir = Path(workdir)
+    step = latest_evaluated_step(workdir, split) if step is None else step
+    captions_path = workdir / "captions" / f"{split}_{step}.json"
+    metrics_path = workdir / "metrics" / f"{split}_{step}.json"
+    for path in (captions_path, metrics_path):
+        if not path.exists():
+            raise ReportError(f"{path} does not exist: no evaluation of {split!r} at step "
+                              f"{step}")
+    entries = read_json(captions_path, "captions file")
+    metrics = read_json(metrics_path, "metrics file")
+    config = export.load_workdir_config(workdir)
+    records = [evaluation.PairCaption(e["image_id"], e["caption"], list(e["references"]),
+                                      e.get("change_type", "")) for e in entries]
+    cider = evaluation.per_pair_cider(records)
+
+    trainer = train.Trainer(config, workdir)
+    manager = trainer.checkpoint_manager()
+    images: list[dict[str, bytes]] = [{} for _ in entries]
+    if step in manager.all_steps():
+        params = jax.device_get(trainer.restore(manager, trainer.init_state(), step=step).params)
+        source = trainer.dataset.split(split)
+        by_id = {}
+        for i in range(len(source)):
+            record = source[i]
+            by_id[record["image_id"].decode()] = record
+        pairs = []
+        for e in entries:
+            base, distractor = (e["image_id"][:-2], True) if e["image_id"].endswith("_n") \
+                else (e["image_id"], False)
+            if base not in by_id:
+                raise ReportError(f"{captions_path}: image id {e['image_id']!r} is not in "
+                                  f"split {split!r} of the dataset")
+            pairs.append((by_id[base], "after_distractor" if distractor else "after_semantic",
+                          e["caption"]))
+        images = heatmap_images(trainer, params, pairs, config.eval_batch_size)
+    else:
+        logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
+                        manager.directory)
+
+    gallery = [GalleryEntry(image_id=r.image_id, caption=r.caption, references=r.references,
+                            change_type=r.change_type, cider=cider[r.image_id], images=im)
+               for r, im in zip(records, images, strict=True)]
+    notes = [f"workdir {workdir.resolve()}", f"split {split}, step {step}",
+             f"model {config.model.name}, dataset {trainer.dataset.name}",
+             "heatmaps: decoder cross-attention from the generated words to the grid, averaged "
+             "over heads, layers and words (changecap_jax.explain)"]
+    out = Path(out) if out else workdir / f"report_{split}_{step}.html"
+    write_report(out, title=f"{config.model.name} on {trainer.dataset.name} / {split} @ {step}",
+                 metrics=metrics, curves=read_curves(workdir / train.SCALARS_FILE),
+                 gallery=gallery, notes=notes, max_gallery=max_gallery)
+    os.chmod(out, 0o644)  # a page to share (the atomic write creates it 0600)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    from absl import app, flags
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    try:
+        path = build_report(f.workdir, f.split, f.step, f.out, f.max_gallery)
+    except (ReportError, export.ExportError) as e:
+        raise SystemExit(f"report: {e}") from None
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("workdir", None, "Workdir of the run.", required=True)
+    flags.DEFINE_string("split", "test", "Evaluated split.")
+    flags.DEFINE_integer("step", None, "Evaluation step (default: the latest).")
+    flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report_SPLIT_STEP.html).")
+    flags.DEFINE_integer("max_gallery", 500, "Pairs in the gallery (worst CIDEr first).")
+    app.run(main)
