@@ -1,0 +1,712 @@
+"""IDC-PCL (Yao et al., AAAI 2022): image difference captioning with pre-training and
+contrastive learning, as the official code ``yaolinli/IDC`` (``clver/``) computes it.
+
+Section numbers (§) refer to ``shared/reference/official_pytorch.md``.
+
+Method
+------
+1. Image difference encoder (§5.2). Each image's grid (N = 49 ResNet-101 layer4 cells, row-major,
+   C = 2048) is projected by ``img_project`` (Linear C -> d, then Sigmoid) and embedded by the
+   shared ``position_encoding``: + type embedding (img1 = 2, img2 = 4) + the non-standard sinusoid
+   rows 0..N-1, then the custom LayerNorm (eps 1e-12) and dropout. A [CLS] word embedding with
+   type 1 / 3 (no sinusoid) is put in front of each image. One shared 1-block single-image
+   encoder runs on [CLS1; img1] and on [CLS2; img2]; a 1-block pair encoder runs on their
+   concatenation, giving I (B, 2N+2, d) = [CLS1, img1, CLS2, img2].
+2. Cross-modal transformer ``encoder`` (3 blocks) over [I; (CLS3, type 5); T], where the text T
+   is word_embedding(ids) * sqrt(d) + type 6 + sinusoid rows 0..L-1. Every Transformer here
+   applies its LayerNorm at the INPUT, then pre-LN blocks x += Drop(MHA(LN x)),
+   x += Drop(FFN(LN x)), and has no final LayerNorm (I-Q3). The LayerNorm is the official custom
+   one: unbiased std, eps added to the std (I-Q1).
+3. Pre-training (§5.3): the sequence [I; CLS3; T] with no attention mask at all. MLM logits =
+   ``output_layer`` at the text positions; MVCL regresses the image-token outputs back to C
+   dimensions with ``feat_regress`` (Linear -> GELU(erf) -> LN(1e-12) -> y W^T + b with W TIED to
+   ``img_project``'s kernel, I-Q4); FDA compares mean(CLS1, CLS2) with CLS3.
+4. Fine-tuning (§5.4): the sequence [I; T] (no CLS3). Every query sees the 2N+2 image/CLS
+   tokens, image queries see no text, text is causal. MLM logits at the text positions and the
+   distractor logits ``pooler``(cat(CLS1, CLS2)).
+5. Decoding (§5.5): after [BOS] + generated words, a [MASK] token is appended and the word is
+   predicted at the MASK. Because text is causal and image tokens never see text, the
+   generated tokens' keys/values never change; :meth:`IDCPCL.decode_step` feeds the last token
+   and a fresh MASK (two queries), caches the token's keys/values and predicts at the MASK.
+
+Official state_dict key -> Flax param path (Appendix C; :func:`torch_key_to_flax`)
+---------------------------------------------------------------------------------
+A numeric segment is joined to the one before it (``layers.0`` -> ``layers_0``,
+``img_project.0`` -> ``img_project_0``, ``sublayer.1`` -> ``sublayer_1``, ``pooler.0`` ->
+``pooler_0``, ``net.0`` -> ``net_0``). Leaves: Linear ``weight`` -> ``kernel`` = weight.T;
+Embedding ``weight`` -> ``embedding`` (``word_embedding``, ``position_encoding.type_pe``);
+``a_2`` / ``b_2`` and biases unchanged. Two keys are not params of their own:
+``position_encoding.pe`` is a constant (the same float64-evaluated table, compared on load) and
+``feat_regress.weight`` IS ``img_project.0.weight`` (one Flax param, ``img_project_0/kernel``).
+
+Memory and attention maps (``models/base.py``): ``encode`` returns I; ``decode`` sows, per
+cross-modal block, the attention of the predicting (MASK) queries to the image/CLS keys, with
+the key axis reordered to [img1 (N), img2 (N), CLS1, CLS2] so that ``MEMORY_LAYOUT =
+"before_after"`` holds (the two CLS slots are the extra slots). These rows do not sum to 1: the
+rest of each query's attention is on text keys.
+
+Token ids: BOS = 1 and MASK = 5 are hard-coded by the official decoder (I-Q8); the CLS id is read
+from dict.json at run time, so it is a field here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from changecap_jax.models.base import ATTENTION
+from changecap_jax.models.layers import Initializer, TorchDense, torch_default_kernel_init
+
+Array = jax.Array
+
+STAGES = ("pretrain", "finetune")
+BOS_ID = 1
+MASK_ID = 5
+TYPE_CLS1, TYPE_IMG1, TYPE_CLS2, TYPE_IMG2, TYPE_CLS3, TYPE_TEXT = 1, 2, 3, 4, 5, 6
+NUM_TYPES = 7
+PE_LEN = 200  # rows of the official sinusoid buffer
+MASKED_SCORE = -1e9  # the official masked_fill value (not -inf)
+
+
+def idc_sinusoid_table(length: int, dim: int) -> np.ndarray:
+    """§5.2 / I-Q2 sinusoid (length, dim) float32: pe[p, i] = sin(p / 10000^(2i/dim)) for even
+    i, pe[p, i+1] = cos(p / 10000^(2(i+1)/dim)). The exponent uses 2 * index, so frequencies
+    fall twice as fast as in the standard table. Evaluated in float64 like the official Python
+    loop, rounded once to float32."""
+    pos = np.arange(length, dtype=np.float64)[:, None]
+    even = np.arange(0, dim, 2, dtype=np.float64)
+    table = np.zeros((length, dim), np.float64)
+    table[:, 0::2] = np.sin(pos / 10000.0 ** (2.0 * even / dim))
+    odd = even[: dim // 2] + 1.0
+    table[:, 1::2] = np.cos(pos / 10000.0 ** (2.0 * odd / dim))
+    return table.astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (§5.2)
+# --------------------------------------------------------------------------------------------
+
+
+class IDCLayerNorm(nn.Module):
+    """I-Q1: a_2 * (x - mean) / (std + eps) + b_2 with the UNBIASED std and eps on the std."""
+
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        a_2 = self.param("a_2", nn.initializers.ones, (d,), jnp.float32)
+        b_2 = self.param("b_2", nn.initializers.zeros, (d,), jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        std = jnp.sqrt(jnp.sum((x - mean) ** 2, axis=-1, keepdims=True) / (d - 1))
+        return a_2 * (x - mean) / (std + self.eps) + b_2
+
+
+class PositionalEmb(nn.Module):
+    """§5.2 PositionalEmb: + type_pe[t] (+ sinusoid rows), LayerNorm(1e-12), dropout."""
+
+    dim: int
+    dropout_rate: float
+
+    def setup(self) -> None:
+        self.type_pe = nn.Embed(NUM_TYPES, self.dim, embedding_init=nn.initializers.normal(1.0))
+        self.layernorm = IDCLayerNorm(eps=1e-12)
+        self.dropout = nn.Dropout(self.dropout_rate)
+        self.pe = idc_sinusoid_table(PE_LEN, self.dim)  # a constant, never trained
+
+    def __call__(
+        self,
+        x: Array,
+        type_id: int,
+        mode: str,
+        *,
+        positions: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        """x (B, L, dim); mode "img" / "text" (with sinusoid rows ``positions``, default 0..L-1)
+        or "cls" (no sinusoid; text is scaled by sqrt(dim), §5.2)."""
+        if mode == "text":
+            x = x * math.sqrt(self.dim)  # before the type embedding is added
+        x = x + self.type_pe(jnp.asarray(type_id, jnp.int32))
+        if mode != "cls":
+            if positions is None:
+                positions = jnp.arange(x.shape[1])
+            x = x + jnp.asarray(self.pe)[positions]
+        return self.dropout(self.layernorm(x), deterministic=deterministic)
+
+
+class MultiHeadAttention(nn.Module):
+    """§5.2 attention: q_linear / v_linear / k_linear / out, scores QK^T / sqrt(d_k),
+    masked_fill(mask == 0, -1e9), softmax, dropout on the probabilities."""
+
+    dim: int
+    num_heads: int
+    dropout_rate: float
+
+    def setup(self) -> None:
+        self.q_linear = TorchDense(self.dim)
+        self.v_linear = TorchDense(self.dim)
+        self.k_linear = TorchDense(self.dim)
+        self.out = TorchDense(self.dim)
+        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=())
+
+    def _split(self, x: Array) -> Array:
+        return x.reshape(*x.shape[:-1], self.num_heads, self.dim // self.num_heads)
+
+    def key_value(self, x: Array) -> tuple[Array, Array]:
+        """(B, L, dim) -> keys, values (B, L, H, d_k)."""
+        return self._split(self.k_linear(x)), self._split(self.v_linear(x))
+
+    def attend(
+        self, x: Array, k: Array, v: Array, mask: Array | None, deterministic: bool
+    ) -> tuple[Array, Array]:
+        """Queries from x (B, Lq, dim) to keys/values (B, Lk, H, d_k); ``mask`` broadcastable
+        to (B, Lq, Lk), True = attend. Returns the output and the probabilities (B, H, Lq, Lk)."""
+        q = self._split(self.q_linear(x))
+        # Scale after the product, as the official code does.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.dim // self.num_heads)
+        if mask is not None:
+            scores = jnp.where(mask[:, None], scores, MASKED_SCORE)
+        probs = jax.nn.softmax(scores, axis=-1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", self.dropout(probs, deterministic=deterministic), v)
+        return self.out(ctx.reshape(*ctx.shape[:-2], self.dim)), probs
+
+
+class PositionwiseFeedForward(nn.Module):
+    dim: int
+    ffn_dim: int
+    dropout_rate: float
+
+    def setup(self) -> None:
+        self.w_1 = TorchDense(self.ffn_dim)
+        self.w_2 = TorchDense(self.dim)
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+        return self.w_2(self.dropout(nn.relu(self.w_1(x)), deterministic=deterministic))
+
+
+class SublayerConnection(nn.Module):
+    """Holds the pre-LN norm of one residual branch (torch ``sublayer.{i}.norm``)."""
+
+    def setup(self) -> None:
+        self.norm = IDCLayerNorm()
+
+    def __call__(self, x: Array) -> Array:
+        return self.norm(x)
+
+
+class EncoderLayer(nn.Module):
+    """One pre-LN block: x += Drop(MHA(LN0 x)); x += Drop(FFN(LN1 x))."""
+
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    dropout_rate: float
+
+    def setup(self) -> None:
+        self.attn = MultiHeadAttention(self.dim, self.num_heads, self.dropout_rate)
+        self.feed_forward = PositionwiseFeedForward(self.dim, self.ffn_dim, self.dropout_rate)
+        self.sublayer_0 = SublayerConnection()
+        self.sublayer_1 = SublayerConnection()
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def key_value(self, x: Array) -> tuple[Array, Array]:
+        """Keys/values of the block's LN-ed input (what the official decoder caches)."""
+        return self.attn.key_value(self.sublayer_0(x))
+
+    def attend(
+        self, x: Array, k: Array, v: Array, mask: Array | None, deterministic: bool
+    ) -> tuple[Array, Array]:
+        """The block for queries x given ready keys/values; returns (output, probabilities)."""
+        attended, probs = self.attn.attend(self.sublayer_0(x), k, v, mask, deterministic)
+        x = x + self.dropout(attended, deterministic=deterministic)
+        ffn = self.feed_forward(self.sublayer_1(x), deterministic=deterministic)
+        return x + self.dropout(ffn, deterministic=deterministic), probs
+
+    def __call__(
+        self, x: Array, mask: Array | None, *, deterministic: bool = True
+    ) -> tuple[Array, Array]:
+        k, v = self.key_value(x)
+        return self.attend(x, k, v, mask, deterministic)
+
+
+class Transformer(nn.Module):
+    """I-Q3: input LayerNorm ``norm``, then ``num_layers`` pre-LN blocks, no final LN."""
+
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    num_layers: int
+    dropout_rate: float
+
+    def setup(self) -> None:
+        self.norm = IDCLayerNorm()
+        self.layers = [
+            EncoderLayer(self.dim, self.num_heads, self.ffn_dim, self.dropout_rate)
+            for _ in range(self.num_layers)
+        ]
+
+    def __call__(
+        self, x: Array, mask: Array | None = None, *, deterministic: bool = True
+    ) -> tuple[Array, list[Array]]:
+        """Returns the raw residual stream and each block's attention probabilities."""
+        x = self.norm(x)
+        probs = []
+        for layer in self.layers:
+            x, p = layer(x, mask, deterministic=deterministic)
+            probs.append(p)
+        return x, probs
+
+
+class ImageProjection(nn.Module):
+    """``img_project.0`` (Linear C -> d). Its kernel (C, d) is also the tied output map of
+    ``feat_regress`` (I-Q4), exposed by :meth:`project_back`."""
+
+    in_features: int
+    features: int
+    kernel_init: Initializer = torch_default_kernel_init
+
+    def setup(self) -> None:
+        bound = 1.0 / math.sqrt(self.in_features)
+        self.kernel = self.param(
+            "kernel", self.kernel_init, (self.in_features, self.features), jnp.float32
+        )
+        self.bias = self.param(
+            "bias",
+            lambda key, shape: jax.random.uniform(key, shape, jnp.float32, -bound, bound),
+            (self.features,),
+        )
+
+    def __call__(self, x: Array) -> Array:
+        return x @ self.kernel + self.bias
+
+    def project_back(self, y: Array) -> Array:
+        """y (..., d) -> y W (..., C) with torch's W = weight (d, C) = kernel.T."""
+        return y @ self.kernel.T
+
+
+class FeatRegress(nn.Module):
+    """§5.2 ``feat_regress`` minus its tied weight: net = Linear -> GELU(erf) -> LN(1e-12);
+    the caller multiplies by the tied kernel and this module adds ``bias`` (C,), init 0."""
+
+    dim: int
+    out_features: int
+
+    def setup(self) -> None:
+        self.net_0 = TorchDense(self.dim)
+        self.net_2 = IDCLayerNorm(eps=1e-12)
+        self.bias = self.param("bias", nn.initializers.zeros, (self.out_features,), jnp.float32)
+
+    def __call__(self, x: Array) -> Array:
+        return self.net_2(nn.gelu(self.net_0(x), approximate=False))
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+class PretrainOutput(NamedTuple):
+    hidden: Array  # (B, 2N+3+L, d) raw residual stream of the cross-modal encoder
+    mlm_logits: Array  # (B, L, V) at the text positions
+    regressed: Array  # (B, 2N, C) feat_regress of the image-token outputs (img1 then img2)
+    visual: Array  # (B, d) (out[:, CLS1] + out[:, CLS2]) / 2, FDA's visual vector (unnormalised)
+    text_cls: Array  # (B, d) out[:, CLS3], FDA's text vector (unnormalised)
+
+
+class FinetuneOutput(NamedTuple):
+    hidden: Array  # (B, 2N+2+L, d)
+    mlm_logits: Array  # (B, L, V) at every text position (the loss keeps label != -1)
+    distractor_logits: Array  # (B, 2): 1 = semantic change, 0 = distractor
+
+
+def _tokens(x: Array) -> Array:
+    """(B, H, W, C) channels-last grid or (B, N, C) tokens -> float32 (B, N, C), row-major."""
+    x = jnp.asarray(x, jnp.float32)
+    return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
+
+
+def finetune_mask(n_img: int, n_text: int) -> Array:
+    """§5.2 fine-tuning mask (1, L, L), True = attend: every query sees the n_img image/CLS
+    tokens, image queries see no text, text query i sees text keys j <= i."""
+    total = n_img + n_text
+    key_is_img = jnp.arange(total)[None, :] < n_img
+    causal = jnp.arange(total)[None, :] <= jnp.arange(total)[:, None]
+    query_is_img = jnp.arange(total)[:, None] < n_img
+    return (key_is_img | (causal & ~query_is_img))[None]
+
+
+class IDCPCL(nn.Module):
+    """The §5.2 model. ``stage="pretrain"`` has ``feat_regress`` and the 3d -> 2 pooler (unused
+    by the CLEVR tasks), ``"finetune"`` the 2d -> 2 distractor pooler. ``__call__`` runs the
+    stage's forward (:meth:`pretrain` / :meth:`finetune`)."""
+
+    # Sown attention keys are reordered to [img1, img2, CLS1, CLS2] (module docstring).
+    MEMORY_LAYOUT: ClassVar[str] = "before_after"
+
+    vocab_size: int
+    cls_id: int  # dict.json's "<CLS>" (read at run time by the official code, §5.1)
+    stage: str = "finetune"
+    hidden_dim: int = 512
+    image_dim: int = 2048
+    ffn_dim: int = 2048
+    num_heads: int = 8
+    cross_layers: int = 3
+    dropout_rate: float = 0.2
+
+    def setup(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        d = self.hidden_dim
+        self.word_embedding = nn.Embed(
+            self.vocab_size, d, embedding_init=nn.initializers.normal(1.0)
+        )
+        self.img_project_0 = ImageProjection(self.image_dim, d)
+        self.position_encoding = PositionalEmb(d, self.dropout_rate)
+        block = functools.partial(
+            Transformer, d, self.num_heads, self.ffn_dim, dropout_rate=self.dropout_rate
+        )
+        self.single_img_encoder = block(num_layers=1)
+        self.double_img_encoder = block(num_layers=1)
+        self.encoder = block(num_layers=self.cross_layers)
+        self.output_layer = TorchDense(self.vocab_size)
+        self.pooler_0 = TorchDense(2)
+        if self.stage == "pretrain":
+            self.feat_regress = FeatRegress(d, self.image_dim)
+
+    # ---- embeddings (§5.2) -----------------------------------------------------------------
+
+    def _cls(self, batch: int, type_id: int, deterministic: bool) -> Array:
+        emb = self.word_embedding(jnp.full((batch, 1), self.cls_id, jnp.int32))
+        return self.position_encoding(emb, type_id, "cls", deterministic=deterministic)
+
+    def _image(self, x: Array, type_id: int, deterministic: bool) -> Array:
+        e = nn.sigmoid(self.img_project_0(_tokens(x)))
+        return self.position_encoding(e, type_id, "img", deterministic=deterministic)
+
+    def _text(self, ids: Array, deterministic: bool, positions: Array | None = None) -> Array:
+        emb = self.word_embedding(jnp.asarray(ids, jnp.int32))
+        return self.position_encoding(
+            emb, TYPE_TEXT, "text", positions=positions, deterministic=deterministic
+        )
+
+    def image_tokens(self, img1: Array, img2: Array, *, train: bool = False) -> Array:
+        """I = pair_encoder([single([CLS1; e1]); single([CLS2; e2])]) (B, 2N+2, d)."""
+        det = not train
+        b = img1.shape[0]
+        s1, _ = self.single_img_encoder(
+            jnp.concatenate([self._cls(b, TYPE_CLS1, det), self._image(img1, TYPE_IMG1, det)], 1),
+            deterministic=det,
+        )
+        s2, _ = self.single_img_encoder(
+            jnp.concatenate([self._cls(b, TYPE_CLS2, det), self._image(img2, TYPE_IMG2, det)], 1),
+            deterministic=det,
+        )
+        out, _ = self.double_img_encoder(jnp.concatenate([s1, s2], 1), deterministic=det)
+        return out
+
+    # ---- heads -------------------------------------------------------------------------------
+
+    def regress(self, y: Array) -> Array:
+        """feat_regress: net(y) W_imgproj + bias, (..., d) -> (..., C) (I-Q4, tied weight)."""
+        return self.img_project_0.project_back(self.feat_regress(y)) + self.feat_regress.bias
+
+    # ---- stage forwards ----------------------------------------------------------------------
+
+    def pretrain(
+        self, img1: Array, img2: Array, ids: Array, *, train: bool = False
+    ) -> PretrainOutput:
+        """§5.2/§5.3: [I; CLS3; T] through the encoder with NO attention mask (PAD included).
+        img1/img2 are the (possibly MVM-zeroed) features, ids (B, L) the (masked) caption."""
+        if self.stage != "pretrain":
+            raise ValueError("pretrain() needs stage='pretrain' (feat_regress)")
+        det = not train
+        image = self.image_tokens(img1, img2, train=train)
+        n_img = image.shape[1]
+        n = (n_img - 2) // 2
+        x = jnp.concatenate(
+            [image, self._cls(ids.shape[0], TYPE_CLS3, det), self._text(ids, det)], 1
+        )
+        out, _ = self.encoder(x, None, deterministic=det)
+        if self.is_initializing():  # the 3d -> 2 pooler exists in the checkpoint; no task uses it
+            self.pooler_0(jnp.zeros((1, 3 * self.hidden_dim), out.dtype))
+        img_out = jnp.concatenate([out[:, 1 : 1 + n], out[:, n + 2 : 2 * n + 2]], 1)
+        return PretrainOutput(
+            hidden=out,
+            mlm_logits=self.output_layer(out[:, n_img + 1 :]),
+            regressed=self.regress(img_out),
+            visual=(out[:, 0] + out[:, n + 1]) / 2,
+            text_cls=out[:, n_img],
+        )
+
+    def finetune(
+        self, img1: Array, img2: Array, ids: Array, *, train: bool = False
+    ) -> FinetuneOutput:
+        """§5.2/§5.4: [I; T] under the fine-tuning mask; MLM logits at every text position and
+        the distractor logits pooler(cat(CLS1, CLS2))."""
+        det = not train
+        image = self.image_tokens(img1, img2, train=train)
+        n_img, n_text = image.shape[1], ids.shape[1]
+        x = jnp.concatenate([image, self._text(ids, det)], 1)
+        out, _ = self.encoder(x, finetune_mask(n_img, n_text), deterministic=det)
+        n = (n_img - 2) // 2
+        pooled = jnp.concatenate([out[:, 0], out[:, n + 1]], -1)
+        return FinetuneOutput(out, self.output_layer(out[:, n_img:]), self.pooler_0(pooled))
+
+    def __call__(
+        self, img1: Array, img2: Array, ids: Array, *, train: bool = False
+    ) -> PretrainOutput | FinetuneOutput:
+        if self.stage == "pretrain":
+            return self.pretrain(img1, img2, ids, train=train)
+        return self.finetune(img1, img2, ids, train=train)
+
+    # ---- decoding protocol (changecap_jax/decoding.py; §5.5) ---------------------------------
+
+    def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
+        """Memory = I (B, 2N+2, d), the image/CLS part of the cross-modal input."""
+        return self.image_tokens(before, after, train=train)
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        """§5.5 step 1: run the encoder on I alone (image queries never see text) and keep
+        each block's image keys/values; text keys/values (B, max_len, H, d_k) start at zero."""
+        x = self.encoder.norm(memory)
+        b = memory.shape[0]
+        heads = self.num_heads
+        for i, layer in enumerate(self.encoder.layers):
+            k, v = layer.key_value(x)
+            zeros = jnp.zeros((b, max_len, heads, self.hidden_dim // heads), k.dtype)
+            self.put_variable("cache", f"image_key_{i}", k)
+            self.put_variable("cache", f"image_value_{i}", v)
+            self.put_variable("cache", f"text_key_{i}", zeros)
+            self.put_variable("cache", f"text_value_{i}", zeros)
+            x, _ = layer.attend(x, k, v, None, True)
+
+    def decode_step(self, token: Array, index: Array) -> Array:
+        """token (B,) at text position ``index`` -> logits (B, V) for position index + 1.
+
+        Two queries: the token (its keys/values are written to the cache at ``index``) and a
+        [MASK] at index + 1 (written at index + 1, overwritten by the real token next step).
+        Under the causal text mask this equals the official recompute of gen + [MASK].
+        Needs index <= max_len - 2 (the MASK's slot must exist in the cache)."""
+        b = token.shape[0]
+        ids = jnp.stack([jnp.asarray(token, jnp.int32), jnp.full((b,), MASK_ID, jnp.int32)], 1)
+        positions = index + jnp.arange(2)
+        x = self.encoder.norm(self._text(ids, True, positions))
+        for i, layer in enumerate(self.encoder.layers):
+            k_new, v_new = layer.key_value(x)
+            text_k = jax.lax.dynamic_update_slice(
+                self.get_variable("cache", f"text_key_{i}"), k_new, (0, index, 0, 0)
+            )
+            text_v = jax.lax.dynamic_update_slice(
+                self.get_variable("cache", f"text_value_{i}"), v_new, (0, index, 0, 0)
+            )
+            self.put_variable("cache", f"text_key_{i}", text_k)
+            self.put_variable("cache", f"text_value_{i}", text_v)
+            image_k = self.get_variable("cache", f"image_key_{i}")
+            image_v = self.get_variable("cache", f"image_value_{i}")
+            n_img = image_k.shape[1]
+            # Image keys all visible; text key j visible to the query at position p iff j <= p.
+            text_ok = jnp.arange(text_k.shape[1])[None, :] <= positions[:, None]
+            mask = jnp.concatenate([jnp.ones((2, n_img), bool), text_ok], 1)[None]
+            x, _ = layer.attend(
+                x,
+                jnp.concatenate([image_k, text_k], 1),
+                jnp.concatenate([image_v, text_v], 1),
+                mask,
+                True,
+            )
+        return self.output_layer(x[:, 1])
+
+    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
+        """Teacher-forced logits (B, L, V): row t = the prediction of a [MASK] at position t + 1
+        after ids[:, :t+1], all rows in ONE pass: the text part is [ids at positions 0..L-1;
+        L MASKs at positions 1..L], MASK t sees ids 0..t and itself only. Sows the MASK queries'
+        attention to the image/CLS keys (reordered to before_after) into ATTENTION."""
+        det = not train
+        ids = jnp.asarray(ids, jnp.int32)
+        b, length = ids.shape
+        n_img = memory.shape[1]
+        n = (n_img - 2) // 2
+        masks = jnp.full((b, length), MASK_ID, jnp.int32)
+        text = jnp.concatenate(
+            [self._text(ids, det), self._text(masks, det, jnp.arange(1, length + 1))], 1
+        )
+        r = jnp.arange(length)
+        tok_tok = r[None, :] <= r[:, None]  # token i sees tokens j <= i
+        tok_mask = jnp.zeros((length, length), bool)
+        mask_tok = r[None, :] <= r[:, None]  # MASK t sees tokens j <= t
+        mask_mask = jnp.eye(length, dtype=bool)  # ... and itself only
+        text_mask = jnp.block([[tok_tok, tok_mask], [mask_tok, mask_mask]])
+        full = jnp.concatenate(
+            [
+                jnp.concatenate(
+                    [jnp.ones((n_img, n_img), bool), jnp.zeros((n_img, 2 * length), bool)], 1
+                ),
+                jnp.concatenate([jnp.ones((2 * length, n_img), bool), text_mask], 1),
+            ],
+            0,
+        )[None]
+        out, probs = self.encoder(jnp.concatenate([memory, text], 1), full, deterministic=det)
+        order = np.concatenate([np.arange(1, n + 1), np.arange(n + 2, 2 * n + 2), [0, n + 1]])
+        for i, p in enumerate(probs):
+            self.sow(ATTENTION, f"encoder_layer_{i}", p[:, :, n_img + length :, order])
+        return self.output_layer(out[:, n_img + length :])
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy decoding with the official semantics (§5.5)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len"))
+def greedy_decode(
+    model: IDCPCL, variables: Any, img1: Array, img2: Array, *, max_len: int = 40
+) -> Array:
+    """§5.5: ids (B, max_len), BOS (1) at 0, then max_len - 1 argmax steps at a trailing MASK,
+    no UNK ban and no early stop (cut at the first EOS afterwards, as ``transform`` does).
+    Uses the key/value cache; ``changecap_jax.decoding``'s generic loop assumes START = 2 and
+    bans UNK, which is not the official IDC behaviour."""
+    variables = {k: v for k, v in dict(variables).items() if k != "cache"}
+    memory = model.apply(variables, img1, img2, method="encode")
+    _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
+    b = memory.shape[0]
+    ids = jnp.zeros((b, max_len), jnp.int32).at[:, 0].set(BOS_ID)
+
+    def body(k: Array, carry: tuple[Array, Any]) -> tuple[Array, Any]:
+        ids, cache = carry
+        logits, mutated = model.apply(
+            {**variables, "cache": cache}, ids[:, k], k, method="decode_step", mutable=["cache"]
+        )
+        ids = ids.at[:, k + 1].set(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return ids, mutated["cache"]
+
+    ids, _ = jax.lax.fori_loop(0, max_len - 1, body, (ids, state["cache"]))
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Losses (§5.3, §5.4)
+# --------------------------------------------------------------------------------------------
+
+
+def _token_ce(logits: Array, labels: Array) -> tuple[Array, Array]:
+    """Per-position CE (0 where label == -1) and the keep mask."""
+    keep = labels != -1
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(log_probs, jnp.where(keep, labels, 0)[..., None], -1)[..., 0]
+    return jnp.where(keep, -picked, 0.0), keep
+
+
+def pretrain_mlm_loss(mlm_logits: Array, labels: Array) -> Array:
+    """§5.3 MLM: mean CE over every labelled (label != -1) text token of the batch."""
+    ce, keep = _token_ce(mlm_logits, labels)
+    return jnp.sum(ce) / jnp.sum(keep)
+
+
+def finetune_loss(
+    mlm_logits: Array, labels: Array, distractor_logits: Array, distractor_labels: Array
+) -> tuple[Array, Array]:
+    """§5.4 / I-Q10: (sum of the per-token MLM CE, sum of the per-sample distractor CE); the
+    official loss is their sum, NOT a mean."""
+    ce, _ = _token_ce(mlm_logits, labels)
+    diff, _ = _token_ce(distractor_logits, distractor_labels)
+    return jnp.sum(ce), jnp.sum(diff)
+
+
+def _normalize(x: Array) -> Array:
+    """torch F.normalize: x / max(||x||, 1e-12)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def mvcl_loss(
+    regressed: Array, img_mask: Array, img_label: Array, temperature: float = 1.0
+) -> Array:
+    """§5.3 MVCL with static shapes: row r (a masked region) scores p_r against the true
+    features y of EVERY masked region of the batch and the predictions n at every unmasked
+    region; CE with target y_r, mean over the masked regions. regressed / img_label
+    (B, 2N, C), img_mask (B, 2N) bool, True = masked. nce_temp is 1.0 in the code (I-Q5)."""
+    c = regressed.shape[-1]
+    pred = _normalize(regressed.reshape(-1, c).astype(jnp.float32))
+    true = _normalize(img_label.reshape(-1, c).astype(jnp.float32))
+    masked = img_mask.reshape(-1).astype(bool)
+    pos_block = jnp.where(masked[None, :], pred @ true.T, -jnp.inf)
+    neg_block = jnp.where(~masked[None, :], pred @ pred.T, -jnp.inf)
+    logits = jnp.concatenate([pos_block, neg_block], 1) / temperature
+    positive = jnp.sum(pred * true, axis=-1) / temperature
+    per_row = jax.nn.logsumexp(logits, axis=-1) - positive
+    return jnp.sum(jnp.where(masked, per_row, 0.0)) / jnp.sum(masked)
+
+
+def fda_loss(visual: Array, text_cls: Array, group: int = 7, temperature: float = 1.0) -> Array:
+    """§5.3 FDA: cosine(visual_k, text_k) per row; consecutive ``group`` rows (positive first)
+    form one pair's logits / tmp; CE to 0, mean over pairs."""
+    sim = jnp.sum(_normalize(visual) * _normalize(text_cls), axis=-1).reshape(-1, group)
+    log_probs = jax.nn.log_softmax(sim / temperature, axis=-1)
+    return -jnp.mean(log_probs[:, 0])
+
+
+# --------------------------------------------------------------------------------------------
+# torch state_dict -> Flax params (§6, Appendix C)
+# --------------------------------------------------------------------------------------------
+
+_EMBEDDINGS = ("word_embedding.weight", "position_encoding.type_pe.weight")
+PE_KEY = "position_encoding.pe"
+TIED_KEY = "feat_regress.weight"
+
+
+def torch_key_to_flax(key: str) -> tuple[str, ...] | None:
+    """Official key -> Flax param path; None for the ``position_encoding.pe`` buffer (a
+    constant). ``feat_regress.weight`` maps to the tied ``img_project_0/kernel``."""
+    key = key.removeprefix("module.")
+    if key == PE_KEY:
+        return None
+    if key == TIED_KEY:
+        return ("img_project_0", "kernel")
+    path = re.sub(r"\.(\d+)(?=\.|$)", r"_\1", key).split(".")
+    if key in _EMBEDDINGS:
+        return (*path[:-1], "embedding")
+    if path[-1] == "weight":
+        return (*path[:-1], "kernel")
+    return tuple(path)
+
+
+def load_torch_state_dict(state_dict: Mapping[str, Any]) -> dict:
+    """Official state_dict (numpy arrays or torch tensors) -> Flax ``params`` tree.
+
+    Linear weights are transposed; the tied ``feat_regress.weight`` must equal
+    ``img_project.0.weight`` and becomes no extra param; ``position_encoding.pe`` must equal
+    :func:`idc_sinusoid_table` to 1e-6."""
+
+    def to_numpy(v: Any) -> np.ndarray:
+        v = v.detach().cpu().numpy() if hasattr(v, "detach") else v  # torch tensors
+        return np.asarray(v, np.float32)
+
+    arrays = {k.removeprefix("module."): to_numpy(v) for k, v in state_dict.items()}
+    params: dict = {}
+    for key, value in arrays.items():
+        path = torch_key_to_flax(key)
+        if path is None:
+            want = idc_sinusoid_table(value.shape[-2], value.shape[-1])
+            if not np.allclose(value.reshape(want.shape), want, atol=1e-6, rtol=0):
+                raise ValueError(f"{key} differs from the official sinusoid table")
+            continue
+        if key == TIED_KEY:
+            if not np.array_equal(value, arrays["img_project.0.weight"]):
+                raise ValueError("feat_regress.weight is not tied to img_project.0.weight")
+            continue
+        if path[-1] == "kernel":
+            value = value.T
+        node = params
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = jnp.asarray(value)
+    return params
