@@ -3,6 +3,11 @@
 
 The raw images are the synthetic dataset's own ``raw/`` folder, which is in the CLEVR-Change
 layout; the ResNet-101 has random weights (none can be downloaded here).
+
+Marked slow (80 s; run with ``pytest -m slow``): its parts are covered in the default run by
+extraction while building (test_builder_image_editing_request's --weights path), the
+CLEVR-Change builder on feature files (test_builder_clevr_change), the presets
+(test_configs) and training on a built dataset (test_train, test_predict_export).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from builder_helpers import build
 
 from changecap_jax.data import datasets
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 TINY_SYNTHETIC = {"num_train": 8, "num_val": 2, "num_test": 2, "feature_shape": (4, 4, 16)}
 
