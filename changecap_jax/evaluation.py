@@ -541,6 +541,23 @@ def _subsets(records: Sequence[PairCaption]) -> dict[str, list[str]]:
     return {name: ids for name, ids in subsets.items() if ids}
 
 
+def _table(raw: Mapping[str, Mapping[str, float]],
+           subsets: Mapping[str, list[str]]) -> dict[str, Any]:
+    """Raw per-subset scores -> the papers' table x100: the total row at the top level, the
+    other rows (in ROW_ORDER) as sub-objects, each with its pair count."""
+
+    def row(name: str) -> dict[str, Any]:
+        scaled: dict[str, Any] = {k: v * 100.0 for k, v in raw[name].items()}
+        scaled["num_pairs"] = len(subsets[name])
+        return scaled
+
+    metrics = row("total")
+    for name in ROW_ORDER[1:]:
+        if name in raw:
+            metrics[name] = row(name)
+    return metrics
+
+
 def evaluate_pairs(records: list[PairCaption], *, spice: str = "auto") -> dict[str, Any]:
     """The papers' table: total, semantic, no-change and per-type scores, scaled x100.
 
@@ -564,15 +581,7 @@ def evaluate_pairs(records: list[PairCaption], *, spice: str = "auto") -> dict[s
         tokenized, _plan(tokenized, subsets), use_spice=use_spice, strict_spice=spice == "on"
     )
 
-    def row(name: str) -> dict[str, Any]:
-        scaled: dict[str, Any] = {k: v * 100.0 for k, v in raw[name].items()}
-        scaled["num_pairs"] = len(subsets[name])
-        return scaled
-
-    metrics = row("total")
-    for name in ROW_ORDER[1:]:
-        if name in raw:
-            metrics[name] = row(name)
+    metrics = _table(raw, subsets)
     return metrics
 
 
@@ -890,15 +899,7 @@ def evaluate_pairs_idc(records: list[PairCaption]) -> dict[str, Any]:
     subsets = _subsets(records)
     raw = _idc_score_sets(predictions, references, subsets)
 
-    def row(name: str) -> dict[str, Any]:
-        scaled: dict[str, Any] = {k: v * 100.0 for k, v in raw[name].items()}
-        scaled["num_pairs"] = len(subsets[name])
-        return scaled
-
-    metrics = row("total")
-    for name in ROW_ORDER[1:]:
-        if name in raw:
-            metrics[name] = row(name)
+    metrics = _table(raw, subsets)
     metrics["eval_protocol"] = "idc"
     if len(raw) > 1:
         metrics["subset_rows"] = IDC_SUBSET_NOTE
