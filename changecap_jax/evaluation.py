@@ -59,7 +59,7 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -416,6 +416,36 @@ def score_tokenized(
     return _score_plan(tokenized, plan, use_spice=use_spice, strict_spice=spice == "on")
 
 
+def _score_subsets(
+    plan: Mapping[str, Sequence[str]],
+    references: Mapping[str, Sequence[str]],
+    predictions: Mapping[str, str],
+    meteor_score: Callable[[Meteor, dict, dict], float],
+) -> dict[str, dict[str, float]]:
+    """BLEU-1..4, METEOR (``meteor_score`` on one shared METEOR process), ROUGE-L and CIDEr of
+    each subset of ``plan``, scored alone; subsets with the same ids are scored once."""
+    results: dict[str, dict[str, float]] = {}
+    cache: dict[tuple[str, ...], dict[str, float]] = {}
+    meteor = Meteor()
+    try:
+        for name, ids in plan.items():
+            key = tuple(ids)
+            if key not in cache:
+                gts = {i: list(references[i]) for i in ids}
+                res = {i: [predictions[i]] for i in ids}
+                scores: dict[str, float] = {}
+                bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+                scores.update({k: float(v) for k, v in zip(BLEU_KEYS, bleu, strict=True)})
+                scores["METEOR"] = meteor_score(meteor, gts, res)
+                scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
+                scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
+                cache[key] = scores
+            results[name] = dict(cache[key])
+    finally:
+        _close_meteor(meteor)
+    return results
+
+
 def _score_plan(
     tokenized: TokenizedCaptions,
     plan: dict[str, list[str]],
@@ -439,29 +469,13 @@ def _score_plan(
                 raise SpiceUnavailableError(f"SPICE failed to run: {exc}") from exc
             logger.warning("SPICE skipped: the SPICE scorer failed (%s)", exc)
 
-    results: dict[str, dict[str, float]] = {}
-    cache: dict[tuple[str, ...], dict[str, float]] = {}
-    meteor = Meteor()
-    try:
+    results = _score_subsets(plan, tokenized.references, tokenized.predictions,
+                             lambda meteor, gts, res: float(meteor.compute_score(gts, res)[0]))
+    if spice_scores is not None:
         for name, ids in plan.items():
-            key = tuple(ids)
-            if key not in cache:
-                gts = {i: tokenized.references[i] for i in ids}
-                res = {i: [tokenized.predictions[i]] for i in ids}
-                scores: dict[str, float] = {}
-                bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
-                scores.update({k: float(v) for k, v in zip(BLEU_KEYS, bleu, strict=True)})
-                scores["METEOR"] = float(meteor.compute_score(gts, res)[0])
-                scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
-                scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
-                if spice_scores is not None:
-                    # Spice.compute_score takes np.mean over its sorted image ids.
-                    values = np.array([spice_scores[i] for i in sorted(ids)])
-                    scores["SPICE"] = float(np.mean(values))
-                cache[key] = scores
-            results[name] = dict(cache[key])
-    finally:
-        _close_meteor(meteor)
+            # Spice.compute_score takes np.mean over its sorted image ids.
+            values = np.array([spice_scores[i] for i in sorted(ids)])
+            results[name]["SPICE"] = float(np.mean(values))
     return results
 
 
@@ -844,28 +858,9 @@ def _idc_score_sets(
 ) -> dict[str, dict[str, float]]:
     """Raw IDC scores of each subset of ``plan``: the strings as given, no tokeniser."""
     _require_java()
-    results: dict[str, dict[str, float]] = {}
-    cache: dict[tuple[str, ...], dict[str, float]] = {}
-    meteor = Meteor()
-    try:
-        for name, ids in plan.items():
-            key = tuple(ids)
-            if key not in cache:
-                # IDC builds both dicts from the same "img1_img2" keys, in result-file order.
-                gts = {i: list(references[i]) for i in ids}
-                res = {i: [predictions[i]] for i in ids}
-                scores: dict[str, float] = {}
-                bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
-                scores.update({k: float(v) for k, v in zip(BLEU_KEYS, bleu, strict=True)})
-                scores["METEOR"] = _idc_meteor(meteor, gts, res)
-                scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
-                # IDC also prints "CIDErD" (eval/ciderD, df="corpus"): the same numbers as CIDEr.
-                scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
-                cache[key] = scores
-            results[name] = dict(cache[key])
-    finally:
-        _close_meteor(meteor)
-    return results
+    # IDC builds both dicts from the same "img1_img2" keys, in result-file order. It also
+    # prints "CIDErD" (eval/ciderD, df="corpus"): the same numbers as CIDEr.
+    return _score_subsets(plan, references, predictions, _idc_meteor)
 
 
 def score_captions_idc(
