@@ -26,8 +26,11 @@ rest are filler beams scored -inf.
 
 Protocol every model implements (linen methods called through ``model.apply``):
 
-* ``encode(before, after, *, train=False) -> memory``: the decoder's conditioning, any pytree
-  (usually (B, N, D)); ``before`` / ``after`` are whatever the model's batch holds.
+* ``encode(before, after, *, train=False, **conditioning) -> memory``: the decoder's
+  conditioning, any pytree (usually (B, N, D)); ``before`` / ``after`` are whatever the model's
+  batch holds, and ``conditioning`` the pair's extra inputs the model declares (e.g.
+  retrieved ``entities`` (B, k, D)); every decoding function here takes them as
+  ``conditioning={name: array}`` and passes them on.
 * ``init_cache(memory, max_len)``: run with ``mutable=['cache']``; creates the 'cache' collection
   (per layer: zeroed self-attention keys/values for ``max_len`` positions and the
   cross-attention keys/values of ``memory``, computed once).
@@ -41,6 +44,7 @@ Protocol every model implements (linen methods called through ``model.apply``):
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -85,9 +89,10 @@ def _cached_decode(
     key: Array,
     max_len: int,
     greedy: bool,
+    conditioning: dict,
 ) -> DecodeOutput:
     variables = _without_cache(variables)
-    memory = model.apply(variables, before, after, method="encode")
+    memory = model.apply(variables, before, after, method="encode", **conditioning)
     _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
 
@@ -125,23 +130,28 @@ def _cached_decode(
 
 
 def greedy_decode(
-    model: nn.Module, variables: Any, before: Any, after: Any, *, max_len: int
+    model: nn.Module, variables: Any, before: Any, after: Any, *, max_len: int,
+    conditioning: Mapping[str, Any] | None = None,
 ) -> DecodeOutput:
     """Greedy (argmax) decoding with the key/value cache (jitted; test-time decoding)."""
-    return _cached_decode(model, variables, before, after, jax.random.key(0), max_len, True)
+    return _cached_decode(model, variables, before, after, jax.random.key(0), max_len, True,
+                          dict(conditioning or {}))
 
 
 def sample_decode(
-    model: nn.Module, variables: Any, before: Any, after: Any, key: Array, *, max_len: int
+    model: nn.Module, variables: Any, before: Any, after: Any, key: Array, *, max_len: int,
+    conditioning: Mapping[str, Any] | None = None,
 ) -> DecodeOutput:
     """Multinomial sampling with the key/value cache (jitted); step k draws with
     ``fold_in(key, k)``, so a fixed key gives a fixed result."""
-    return _cached_decode(model, variables, before, after, key, max_len, False)
+    return _cached_decode(model, variables, before, after, key, max_len, False,
+                          dict(conditioning or {}))
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _encode(model: nn.Module, variables: Any, before: Any, after: Any) -> Any:
-    return model.apply(variables, before, after, method="encode")
+def _encode(model: nn.Module, variables: Any, before: Any, after: Any,
+            conditioning: dict | None = None) -> Any:
+    return model.apply(variables, before, after, method="encode", **(conditioning or {}))
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
@@ -150,12 +160,13 @@ def _full_logits(model: nn.Module, variables: Any, memory: Any, ids: Array) -> A
 
 
 def full_recompute_greedy(
-    model: nn.Module, variables: Any, before: Any, after: Any, *, max_len: int
+    model: nn.Module, variables: Any, before: Any, after: Any, *, max_len: int,
+    conditioning: Mapping[str, Any] | None = None,
 ) -> DecodeOutput:
     """Reference greedy decoding: a plain Python loop that reruns ``decode`` on the whole id
     buffer every step, as the official ``sample()`` does (for tests; slow)."""
     variables = _without_cache(variables)
-    memory = _encode(model, variables, before, after)
+    memory = _encode(model, variables, before, after, dict(conditioning or {}))
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
     ids = np.zeros((batch, max_len), np.int32)
     log_probs = np.zeros((batch, max_len), np.float32)
@@ -203,10 +214,11 @@ def _beam_search(
     beam_size: int,
     max_len: int,
     length_penalty: float,
+    conditioning: dict,
 ) -> BeamOutput:
     K = beam_size
     variables = _without_cache(variables)
-    memory = model.apply(variables, before, after, method="encode")
+    memory = model.apply(variables, before, after, method="encode", **conditioning)
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
     # Encode once at batch B; the decoder works on B*K rows, batch-major (row b*K + k).
     memory = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), memory)
@@ -286,6 +298,7 @@ def beam_search(
     beam_size: int,
     max_len: int,
     length_penalty: float = 0.0,
+    conditioning: Mapping[str, Any] | None = None,
 ) -> BeamOutput:
     """Beam search with the key/value cache (jitted per model / beam_size / max_len /
     length_penalty; see the module docstring).
@@ -300,5 +313,6 @@ def beam_search(
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     return _beam_search(
-        model, variables, before, after, int(beam_size), int(max_len), float(length_penalty)
+        model, variables, before, after, int(beam_size), int(max_len), float(length_penalty),
+        dict(conditioning or {}),
     )

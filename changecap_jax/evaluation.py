@@ -365,8 +365,8 @@ def _spice_per_image(gts: dict[str, list[str]], res: dict[str, list[str]]) -> di
     """Per-image SPICE F-scores ("All"/"f"), computed by pycocoevalcap's ``Spice`` scorer."""
     # Spice.__init__ only calls get_stanford_models(), which downloads when a jar is missing;
     # availability has been checked already, and skipping __init__ guarantees no download.
-    scorer = object.__new__(_spice_module.Spice)
-    _, per_image = scorer.compute_score(gts, res)
+    spice_metric = object.__new__(_spice_module.Spice)
+    _, per_image = spice_metric.compute_score(gts, res)
     ids = sorted(gts.keys())
     return {i: float(s["All"]["f"]) for i, s in zip(ids, per_image, strict=True)}
 

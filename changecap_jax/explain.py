@@ -38,10 +38,10 @@ def _variables(variables: Any) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _word_attention(model: nn.Module, variables: Any, before: Any, after: Any,
-                    ids: Array) -> Array:
+                    ids: Array, conditioning: dict) -> Array:
     """(B, M): cross-attention from the positions that predicted ``ids``' words to the memory,
     averaged over layers, heads and those positions."""
-    memory = model.apply(variables, before, after, method="encode")
+    memory = model.apply(variables, before, after, method="encode", **conditioning)
     _, state = model.apply(variables, memory, ids, method="decode", mutable=[ATTENTION])
     probs = jax.tree_util.tree_leaves(state[ATTENTION])
     if not probs:
@@ -57,10 +57,12 @@ def _word_attention(model: nn.Module, variables: Any, before: Any, after: Any,
 
 
 def attention_maps(model: nn.Module, variables: Any, before: Any, after: Any,
-                   ids: Array | np.ndarray) -> AttentionMaps:
+                   ids: Array | np.ndarray,
+                   conditioning: dict[str, Any] | None = None) -> AttentionMaps:
     """Heatmaps of decoded captions ``ids`` (B, L) for grid features ``before`` / ``after``
     (B, H, W, C), as the module docstring defines them (teacher-forced over ``ids``, which
-    gives the cached decoder's attention exactly: the positions used see only real words)."""
+    gives the cached decoder's attention exactly: the positions used see only real words).
+    ``conditioning``: the pairs' extra inputs for models that declare some (e.g. entities)."""
     layout = getattr(type(model), "MEMORY_LAYOUT", None)
     if layout not in MEMORY_LAYOUTS:
         raise ValueError(f"{type(model).__name__}.MEMORY_LAYOUT is {layout!r}; expected one of "
@@ -68,7 +70,8 @@ def attention_maps(model: nn.Module, variables: Any, before: Any, after: Any,
     height, width = np.shape(before)[1:3]
     cells = height * width
     weights = np.asarray(_word_attention(model, _variables(variables), before, after,
-                                         jnp.asarray(ids, jnp.int32)))
+                                         jnp.asarray(ids, jnp.int32),
+                                         dict(conditioning or {})))
     if layout == "shared_grid":
         grid = weights[:, :cells].reshape(-1, height, width)
         return AttentionMaps(_normalise(grid), _normalise(grid))

@@ -46,6 +46,7 @@ from changecap_jax import models
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.jsonio import read_json, write_json_atomic
+from changecap_jax.models.base import conditioning_shapes
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.json"
@@ -141,8 +142,11 @@ def example_batch(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[st
     grid = jnp.zeros((1, h, w, c), jnp.float32)
     caption = jnp.zeros((1, max_len), jnp.int32).at[:, 0].set(2)
     batch = {"before": grid, "after_semantic": grid, "change_caption": caption}
-    if "distractor" in tuple(getattr(model, "streams", ("semantic",))):
+    streams = tuple(getattr(model, "streams", ("semantic",)))
+    if "distractor" in streams:
         batch.update(after_distractor=grid, no_change_caption=caption)
+    for name, shape in conditioning_shapes(model).items():
+        batch.update({f"{name}_{s}": jnp.zeros((1, *shape), jnp.float32) for s in streams})
     return batch
 
 

@@ -134,6 +134,31 @@ def caption_cross_entropy(logits: Array, targets: Array, *, axis_name: AxisName 
     return total / count
 
 
+def cosine_infonce_loss(q: Array, k: Array, temperature: float, *,
+                        axis_name: AxisName = None) -> Array:
+    """InfoNCE over cosine similarities (CHEERS Eq. 9), negatives from the GLOBAL batch.
+
+    Row a's positive is k[a]; its negatives are every other row of k in the global batch (k is
+    gathered over ``axis_name``). Returns the mean over the global rows of
+    -log softmax_b(cos(q_a, k_b) / temperature)[a].
+    """
+    if q.ndim != 2 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be (B, D), got {q.shape} and {k.shape}")
+    normalise = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-8)
+    q, k = normalise(_float(q)), normalise(_float(k))
+    k_all, offset = _gather_batch(k, axis_name)
+    logits = jnp.matmul(q, k_all.T, precision=_HIGHEST) / temperature
+    return _diagonal_nll_mean(logits, offset, axis_name)
+
+
+def mean_squared_error(a: Array, b: Array, *, axis_name: AxisName = None) -> Array:
+    """torch ``MSELoss()`` (mean over every element) over the GLOBAL batch."""
+    if a.shape != b.shape:
+        raise ValueError(f"mean_squared_error: shapes {a.shape} and {b.shape} differ")
+    sq = jnp.square(_float(a) - _float(b))
+    return _psum(jnp.sum(sq), axis_name) / (sq.size * _axis_size(axis_name))
+
+
 # ---------------------------------------------------------------------------------------------
 # Token-wise matching (SCORER §3.1 step 4, §3.3 step 3, §3.4)
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from changecap_jax import decoding, explain
 from changecap_jax.export import ExportedModel, load_exported
 from changecap_jax.jsonio import write_json_atomic
+from changecap_jax.models.base import conditioning_shapes
 
 
 class PredictError(ValueError):
@@ -156,6 +157,15 @@ class Predictor:
             raise PredictError(f"beam_size must be >= 1, got {beam_size}")
         self.exported = exported
         self.model = exported.module()
+        extra_inputs = conditioning_shapes(self.model)
+        if extra_inputs:
+            # Such a model needs, per new pair, what data_prep computes for a dataset (e.g. a
+            # retrieval over its entity list); predict has no such step yet.
+            raise PredictError(
+                f"the model in {exported.directory} reads per-pair inputs {sorted(extra_inputs)} "
+                "beside the images; predict captions only models that read the two images. "
+                "Evaluate it on a prepared dataset with python -m changecap_jax.main "
+                "--mode=eval --model=DIR instead")
         self.variables = exported.variables
         self.beam_size, self.length_penalty = beam_size, length_penalty
 

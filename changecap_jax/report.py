@@ -91,6 +91,10 @@ def caption_ids(caption: str, vocab: Any, max_len: int) -> np.ndarray:
     return ids
 
 
+def _orientation(after_key: str) -> str:
+    return after_key.removeprefix("after_")  # after_semantic -> semantic, as record fields
+
+
 def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, str, str]],
                    batch_size: int) -> list[dict[str, bytes]]:
     """For (record, after key, caption) triples: before / after JPEG thumbnails with the
@@ -105,7 +109,11 @@ def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, 
         before = np.stack([pairs[i][0]["before"] for i in take]).astype(np.float32)
         after = np.stack([pairs[i][0][pairs[i][1]] for i in take]).astype(np.float32)
         ids = np.stack([caption_ids(pairs[i][2], dataset.vocab, trainer.max_len) for i in take])
-        maps = explain.attention_maps(model, {"params": params}, before, after, ids)
+        # A model's extra per-pair inputs: the record's field of the pair's orientation.
+        conditioning = {c: np.stack([pairs[i][0][f"{c}_{_orientation(pairs[i][1])}"]
+                                     for i in take]) for c in trainer.conditioning}
+        maps = explain.attention_maps(model, {"params": params}, before, after, ids,
+                                      conditioning)
         for j, i in enumerate(chunk):
             record, after_key, _ = pairs[i]
             paths = datasets.image_paths(dataset, record)
@@ -159,9 +167,14 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
         logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
                         manager.directory)
 
+    # The inputs a model read beside the images (e.g. retrieved entities), as evaluation
+    # wrote them into the captions file.
+    extras = [{"retrieved entities": ", ".join(e["entities"])} if "entities" in e else {}
+              for e in entries]
     gallery = [GalleryEntry(image_id=r.image_id, caption=r.caption, references=r.references,
-                            change_type=r.change_type, cider=cider[r.image_id], images=im)
-               for r, im in zip(records, images, strict=True)]
+                            change_type=r.change_type, cider=cider[r.image_id], images=im,
+                            extra=x)
+               for r, im, x in zip(records, images, extras, strict=True)]
     notes = [f"workdir {workdir.resolve()}", f"split {split}, step {step}",
              f"model {config.model.name}, dataset {trainer.dataset.name}",
              "heatmaps: decoder cross-attention from the generated words to the grid, averaged "

@@ -29,9 +29,10 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from changecap_jax import decoding, evaluation, export, models, parallel
-from changecap_jax.data import datasets, pipeline
+from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
+from changecap_jax.models.base import conditioning_shapes
 
 SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
 STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
@@ -97,7 +98,7 @@ def zero_gradient_rows(grads: Any, rows: dict[str, int]) -> Any:
 
 def frozen_labels(params: Any, frozen: tuple[str, ...] | list[str]) -> Any:
     """"frozen" for every parameter under one of the ``frozen`` top-level names, else
-    "trained" (the official SCORER keeps CBR outside its optimiser, reference S-Q1)."""
+    "trained" (e.g. a module the official code keeps outside its optimiser)."""
     tops = set(params)
     unknown = sorted(set(frozen) - tops)
     if unknown:
@@ -178,7 +179,7 @@ def make_train_step(
         grads = zero_gradient_rows(grads, zero_grad_rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        # A model may constrain its parameters after each update (SCORER clamps its logit
+        # A model may constrain its parameters after each update (e.g. clamping a logit
         # scale to log 100, as the official loop does after optimizer.step()).
         post_update = getattr(model, "post_update", None)
         if post_update is not None:
@@ -243,6 +244,9 @@ class Trainer:
         self.max_len = config.decode.max_len or self.dataset.meta.max_caption_len
         self.model = models.build(config.model, vocab_size=len(self.dataset.vocab),
                                   max_len=self.max_len)
+        # Extra per-pair inputs the model reads (e.g. retrieved entities), joined to records.
+        self.conditioning = conditioning_shapes(self.model)
+        self.dataset = datasets.attach_conditioning(self.dataset, self.conditioning)
         if "distractor" in self.model_streams() and not self.dataset.meta.has_distractor:
             raise datasets.DatasetError(
                 f"the model trains on distractor pairs but dataset {ds.name!r} has none; set "
@@ -276,7 +280,8 @@ class Trainer:
         jitted function (this also works when the mesh spans several processes).
         """
         source = self.dataset.split("train")
-        example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0)))
+        example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0,
+                                                  pair_fields=self.dataset.pair_fields)))
         shapes = {k: (v.shape, v.dtype) for k, v in pipeline.device_fields(example).items()}
         init_rng = jax.random.fold_in(self.rng, INIT_FOLD)
 
@@ -293,7 +298,8 @@ class Trainer:
         return pipeline.train_loader(
             self.dataset.split("train"), global_batch_size=self.config.batch_size,
             seed=self.config.seed, process_index=jax.process_index(),
-            process_count=jax.process_count(), swap_prob=self.config.swap_prob)
+            process_count=jax.process_count(), swap_prob=self.config.swap_prob,
+            pair_fields=self.dataset.pair_fields)
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         return make_checkpoint_manager(self.workdir / "checkpoints", self.config.keep_checkpoints)
@@ -369,7 +375,7 @@ class Trainer:
     # -- evaluation ---------------------------------------------------------------------------
 
     def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
-                  key: jax.Array) -> jax.Array:
+                  key: jax.Array, conditioning: dict[str, jax.Array] | None = None) -> jax.Array:
         variables = {"params": params}
         decode = self.config.decode
         if decode.get("beam_size", 1) > 1:
@@ -377,12 +383,13 @@ class Trainer:
                 raise ValueError("decode.sample and decode.beam_size > 1 exclude each other")
             return decoding.beam_search(self.model, variables, before, after,
                                         beam_size=decode.beam_size, max_len=self.max_len,
-                                        length_penalty=decode.get("length_penalty", 0.0)).ids
+                                        length_penalty=decode.get("length_penalty", 0.0),
+                                        conditioning=conditioning).ids
         if decode.sample:
             return decoding.sample_decode(self.model, variables, before, after, key,
-                                          max_len=self.max_len).ids
+                                          max_len=self.max_len, conditioning=conditioning).ids
         return decoding.greedy_decode(self.model, variables, before, after,
-                                      max_len=self.max_len).ids
+                                      max_len=self.max_len, conditioning=conditioning).ids
 
     def evaluate(self, state: TrainState, split: str, step: int,
                  writer: MetricWriter | None = None) -> dict[str, Any]:
@@ -394,6 +401,7 @@ class Trainer:
         G = config.eval_batch_size
         local = G // process_count
         records: list[evaluation.PairCaption] = []
+        extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
         key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), step)
         streams = [s for s in STREAM_INPUTS if s in self.model_streams()]
         batches = pipeline.eval_batches(source, global_batch_size=G,
@@ -404,12 +412,14 @@ class Trainer:
                                        disable=not self.is_main, dynamic_ncols=True)):
             arrays = pipeline.to_global(
                 batch, self.data_sharding,
-                fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams)))
+                fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams),
+                        *(f"{c}_{s}" for c in self.conditioning for s in streams)))
             decoded = {}
             for s in streams:
                 after_key = STREAM_INPUTS[s][0]
                 ids = self.decode_fn(state.params, arrays["before"], arrays[after_key],
-                                     jax.random.fold_in(key, k))
+                                     jax.random.fold_in(key, k),
+                                     {c: arrays[f"{c}_{s}"] for c in self.conditioning})
                 decoded[s] = _to_host(ids)
             mask = _to_host(arrays["mask"])
             if not self.is_main:
@@ -428,16 +438,20 @@ class Trainer:
                         caption=self.dataset.vocab.decode(decoded[s][j]),
                         references=[_text(c) for c in record[ref_key]],
                         change_type=change_type))
+                    if self.dataset.entities is not None:
+                        extra[records[-1].image_id] = {"entities": entity_inputs.entity_texts(
+                            self.dataset.entities, record[f"entity_ids_{s}"])}
         if not self.is_main:
             # Wait while process 0 scores, and learn the CIDEr that picks the best checkpoint.
             return {"CIDEr": _share_from_main(0.0)}
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
         metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
                        protocol=meta.protocol)
-        evaluation.write_results(self.workdir, split, step, records, metrics)
+        evaluation.write_results(self.workdir, split, step, records, metrics, extra=extra)
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
         for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:
-            logging.info("  %s: %r | refs %r", r.image_id, r.caption, r.references[:2])
+            logging.info("  %s: %r | refs %r%s", r.image_id, r.caption, r.references[:2],
+                         f" | inputs {extra[r.image_id]}" if r.image_id in extra else "")
         if writer is not None:
             writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
                                         if isinstance(v, float)})

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from train_helpers import SMALL, tiny_config
+from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_config
 
 from changecap_jax import parallel, train
 from changecap_jax.data import datasets, pipeline
@@ -24,46 +24,12 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
-def _one_step(config, workdir, num_devices, batch):
-    trainer = train.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
-    state = trainer.init_state()
-    arrays = pipeline.to_global(batch, trainer.data_sharding)
-    loss_fn = train.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
-    step_rng = jax.random.fold_in(state.rng, state.step)  # what the train step uses
-    grads = jax.jit(jax.grad(loss_fn, has_aux=True))(state.params, arrays, step_rng)[0]
-    state, metrics = trainer.train_step(state, arrays)
-    return jax.device_get((state.params, grads, metrics))
-
-
 def test_eight_devices_equal_one(data_dir, tmp_path):
-    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     # Dropout off: per-device dropout masks cannot equal one device's (distributionally equal).
     config = tiny_config(data_dir, **{"batch_size": 16})
     config.model.dropout_rate = 0.0
-    loader = train.Trainer(config, tmp_path / "x", mesh=parallel.make_mesh(1)).train_loader()
-    batch = next(iter(loader))
-    params1, grads1, metrics1 = _one_step(config, tmp_path / "a", 1, batch)
-    params8, grads8, metrics8 = _one_step(config, tmp_path / "b", 8, batch)
-    assert set(metrics1) >= {"loss", "loss/caption", "loss/dirl", "loss/ccr"}
-    for key in metrics1:
-        np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, err_msg=key)
-    leaves = lambda t: jax.tree_util.tree_leaves_with_path(t)  # noqa: E731
-    largest = max(np.abs(g).max() for g in jax.tree_util.tree_leaves(grads1))
-    for (path, g1), g8, p1, p8 in zip(leaves(grads1), jax.tree_util.tree_leaves(grads8),
-                                      jax.tree_util.tree_leaves(params1),
-                                      jax.tree_util.tree_leaves(params8), strict=True):
-        name = jax.tree_util.keystr(path)
-        tensor_max = np.abs(g1).max()
-        if tensor_max < 1e-6 * largest:
-            # Analytically zero gradient (a bias before a z-score, an attention key bias
-            # under softmax): both runs must agree that it is float noise.
-            assert np.abs(g8).max() < 1e-6 * largest, name
-            continue
-        np.testing.assert_allclose(g8, g1, atol=1e-5 * tensor_max, err_msg=name)
-        # Adam's first step maps every gradient to about +-lr, float noise included, so the
-        # updated parameters are compared where the gradient is real.
-        real = np.abs(g1) > 1e-5 * largest
-        np.testing.assert_allclose(p8[real], p1[real], atol=1e-5, err_msg=name)
+    metrics = assert_eight_devices_equal_one(config, tmp_path)
+    assert set(metrics) >= {"loss", "loss/caption", "loss/dirl", "loss/ccr"}
 
 
 def test_update_changes_params_and_masks_padding_row(data_dir, tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from changecap_jax.data import schema
+from changecap_jax.data import entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 
@@ -41,10 +41,56 @@ class PreparedDataset:
     directory: Path
     meta: schema.DatasetMeta
     vocab: Vocabulary
+    # Retrieved change entities joined to every record (``with_entities``), or None.
+    entities: entity_inputs.EntityInputs | None = None
+    entity_count: int = 0
 
     def split(self, split: str) -> Any:
         """A random-access data source over one split (``len`` and ``[i]``)."""
-        return open_split(self, split)
+        source = open_split(self, split)
+        if self.entities is not None:
+            source = entity_inputs.WithEntities(source, self.entities, split, self.entity_count)
+        return source
+
+    @property
+    def pair_fields(self) -> tuple[str, ...]:
+        """Record fields that exist once per pair orientation (``<field>_semantic`` ...)."""
+        return entity_inputs.PAIR_FIELDS if self.entities is not None else ()
+
+
+def attach_conditioning(dataset: PreparedDataset,
+                        shapes: Mapping[str, tuple[int, ...]]) -> PreparedDataset:
+    """Joins the extra per-pair inputs a model declares (``models.base.conditioning_shapes``)
+    to the dataset's records, checking their shapes; ``entities`` (k, D) is the only kind."""
+    unknown = sorted(set(shapes) - {"entities"})
+    if unknown:
+        raise DatasetError(f"the model reads per-pair inputs {unknown} that no dataset provides "
+                           "(known: 'entities')")
+    if "entities" not in shapes:
+        return dataset
+    count, dim = shapes["entities"]
+    try:
+        dataset = with_entities(dataset, count)
+    except entity_inputs.EntityInputError as e:
+        raise DatasetError(str(e)) from e
+    have = dataset.entities.embeddings.shape[1]
+    if have != dim:
+        raise DatasetError(
+            f"the model expects {dim}-dim entity embeddings but "
+            f"{dataset.entities.directory} holds {have}-dim ones; set "
+            f"--config.model.entity_dim={have}")
+    return dataset
+
+
+def with_entities(dataset: PreparedDataset, count: int) -> PreparedDataset:
+    """The dataset with its first ``count`` retrieved entities per pair joined to each record
+    (``data/entity_inputs.py``)."""
+    inputs = entity_inputs.load(dataset.directory)
+    if not 1 <= count <= inputs.k:
+        raise entity_inputs.EntityInputError(
+            f"{inputs.directory}: the model reads {count} entities per pair but the retrieval "
+            f"kept k={inputs.k}; rerun python -m data_prep.retrieval --k={count}")
+    return dataclasses.replace(dataset, entities=inputs, entity_count=count)
 
 
 def default_data_dir() -> Path:

@@ -40,8 +40,11 @@ def _check_batch(global_batch_size: int, process_count: int) -> int:
 class TrainPairs(grain.transforms.RandomMap):
     """Record -> the training fields of its pairs, with seeded caption choice and swap."""
 
-    def __init__(self, swap_prob: float = 0.5):
+    def __init__(self, swap_prob: float = 0.5, pair_fields: tuple[str, ...] = ()):
         self.swap_prob = swap_prob
+        # Per-pair side inputs (e.g. retrieved entities): ``<f>_semantic`` is passed on, and
+        # the distractor pair takes ``<f>_distractor_swapped`` when its images are swapped.
+        self.pair_fields = tuple(pair_fields)
 
     def random_map(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
         captions = record["change_caption_ids"]
@@ -52,9 +55,11 @@ class TrainPairs(grain.transforms.RandomMap):
             "after_semantic": record["after_semantic"],
             "change_caption": captions[rng.integers(len(captions))],
         }
+        out.update({f"{f}_semantic": record[f"{f}_semantic"] for f in self.pair_fields})
         if "after_distractor" in record:
             before, distractor = record["before"], record["after_distractor"]
-            if rng.random() < self.swap_prob:
+            swapped = rng.random() < self.swap_prob
+            if swapped:
                 before, distractor = distractor, before
             no_change = record["no_change_caption_ids"]
             out.update(
@@ -62,6 +67,9 @@ class TrainPairs(grain.transforms.RandomMap):
                 after_distractor=distractor,
                 no_change_caption=no_change[rng.integers(len(no_change))],
             )
+            orientation = "distractor_swapped" if swapped else "distractor"
+            out.update({f"{f}_distractor": record[f"{f}_{orientation}"]
+                        for f in self.pair_fields})
         return out
 
 
@@ -74,6 +82,7 @@ def train_loader(
     process_count: int = 1,
     swap_prob: float = 0.5,
     worker_count: int = 0,
+    pair_fields: tuple[str, ...] = (),
 ) -> grain.DataLoader:
     """An endless loader of this process's local training batches."""
     local_batch = _check_batch(global_batch_size, process_count)
@@ -95,7 +104,8 @@ def train_loader(
         data_source=source,
         sampler=sampler,
         operations=[
-            TrainPairs(swap_prob), grain.transforms.Batch(local_batch, drop_remainder=True)
+            TrainPairs(swap_prob, pair_fields),
+            grain.transforms.Batch(local_batch, drop_remainder=True),
         ],
         worker_count=worker_count,
     )

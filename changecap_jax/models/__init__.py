@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ml_collections
 
+from changecap_jax.models.cheers import CHEERS
 from changecap_jax.models.dirl import DIRLCCR
 from changecap_jax.models.scorer import SCORERCBR
 from changecap_jax.models.subtraction import Subtraction
 
-MODELS = {"dirl": DIRLCCR, "scorer": SCORERCBR, "subtraction": Subtraction}
+MODELS = {
+    "dirl": DIRLCCR, "scorer": SCORERCBR, "subtraction": Subtraction, "cheers": CHEERS,
+}
 
 
 def build(model_config: ml_collections.ConfigDict, *, vocab_size: int, max_len: int):

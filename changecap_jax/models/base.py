@@ -21,6 +21,8 @@ model): each cross-attention of the decoder to its memory sows its probabilities
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 
@@ -43,6 +45,16 @@ class ModelOutput:
     caption_logits: dict[str, jax.Array]
     caption_targets: dict[str, jax.Array]
     aux_losses: dict[str, jax.Array]
+
+
+def conditioning_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Extra per-pair inputs a model reads beside the two images: name -> per-example shape.
+
+    A model declares them with a ``conditioning_shapes`` property (e.g. ``{"entities": (k,
+    D)}``); its batch then holds ``<name>_<stream>`` for each caption stream, and ``encode``
+    takes them as keyword arguments. Most models read none.
+    """
+    return dict(getattr(model, "conditioning_shapes", None) or {})
 
 
 def pair_streams(pairs: str) -> tuple[str, ...]:
