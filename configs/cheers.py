@@ -93,14 +93,7 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
         config.model = _paper_model("both")
         config.model.update(hidden_dim=128, num_heads=4, word_dim=64, ffn_dim=256,
                             hrd_layers=1, dropout_rate=0.0, entity_dim=64)
-        config.batch_size = 64
-        config.eval_batch_size = 200
-        config.num_train_steps = 1000
-        config.log_every_steps = 50
-        config.eval_every_steps = 500
-        config.checkpoint_every_steps = 500
-        config.optim.learning_rate = 5e-4
-        config.optim.decay_every_epochs = 0
+        common.cpu_training(config)
     elif preset in PAPER_PRESETS:
         pairs, batch, lr = PAPER_PRESETS[preset]
         config.dataset = common.prebuilt_dataset(preset)

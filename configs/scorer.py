@@ -88,14 +88,7 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
             "extreme" if preset == "synthetic_extreme" else "moderate")
         config.model = _paper_model("both", True, 2)
         config.model.update(hidden_dim=128, num_heads=4, word_dim=64, dropout_rate=0.0)
-        config.batch_size = 64
-        config.eval_batch_size = 200
-        config.num_train_steps = 1000
-        config.log_every_steps = 50
-        config.eval_every_steps = 500
-        config.checkpoint_every_steps = 500
-        config.optim.learning_rate = 5e-4
-        config.optim.decay_every_epochs = 0  # 0 = constant learning rate
+        common.cpu_training(config)
         config.loss_weights = {"sim": 0.1, "cbr": 0.001}
     elif preset in PAPER_PRESETS:
         layers, (w_sim, w_cbr), batch, lr, steps, decode_len = PAPER_PRESETS[preset]

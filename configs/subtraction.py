@@ -61,14 +61,7 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
             "extreme" if preset == "synthetic_extreme" else "moderate")
         config.model = _model("both", True)
         config.model.update(hidden_dim=128, num_heads=4, word_dim=64, dropout_rate=0.0)
-        config.batch_size = 64
-        config.eval_batch_size = 200
-        config.num_train_steps = 1000
-        config.log_every_steps = 50
-        config.eval_every_steps = 500
-        config.checkpoint_every_steps = 500
-        config.optim.learning_rate = 5e-4
-        config.optim.decay_every_epochs = 0  # 0 = constant learning rate
+        common.cpu_training(config)
     elif preset in PAPER_PRESETS:
         batch, lr, steps, decode_len = PAPER_PRESETS[preset]
         clevr_change = preset == "clevr_change"

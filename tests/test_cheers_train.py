@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from entity_helpers import write_retrieval
-from train_helpers import SMALL, assert_eight_devices_equal_one
+from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
 from changecap_jax import export, models, predict, train
 from changecap_jax.data import datasets, pipeline
@@ -33,20 +33,9 @@ def data_dir(tmp_path_factory):
 
 def tiny_cheers(data_dir: str, preset: str = "synthetic", **overrides):
     config = cheers.get_config(preset)
-    config.dataset.data_dir = data_dir
-    config.dataset.options = dict(SMALL)
     config.model.update(hidden_dim=16, num_heads=2, word_dim=8, ffn_dim=32,
                         entity_dim=ENTITY_DIM, hrd_layers=1, decoder_layers=1)
-    config.batch_size = 16
-    config.eval_batch_size = 8
-    config.num_train_steps = 2
-    config.log_every_steps = 1
-    config.eval_every_steps = 1000
-    config.checkpoint_every_steps = 1000
-    config.eval_splits = ()
-    config.final_eval_splits = ()
-    config.update(overrides)
-    return config
+    return tiny_run(config, data_dir, **{"num_train_steps": 2, **overrides})
 
 
 def test_eight_devices_equal_one(data_dir, tmp_path):

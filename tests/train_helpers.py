@@ -10,14 +10,12 @@ import ml_collections
 SMALL = {"num_train": 40, "num_val": 12, "num_test": 10, "feature_shape": (4, 4, 16)}
 
 
-def tiny_config(data_dir: str, **overrides) -> ml_collections.ConfigDict:
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    from configs import dirl
-
-    config = dirl.get_config("synthetic")
+def tiny_run(config: ml_collections.ConfigDict, data_dir: str,
+             **overrides) -> ml_collections.ConfigDict:
+    """A synthetic preset shrunk for tests: the SMALL dataset in ``data_dir``, batch 16,
+    3 steps, no evaluation; ``overrides`` last."""
     config.dataset.data_dir = data_dir
     config.dataset.options = dict(SMALL)
-    config.model.update(hidden_dim=32, num_heads=4, word_dim=16, ffn_dim=64, mlp_hidden_dim=64)
     config.batch_size = 16
     config.eval_batch_size = 8
     config.num_train_steps = 3
@@ -28,6 +26,15 @@ def tiny_config(data_dir: str, **overrides) -> ml_collections.ConfigDict:
     config.final_eval_splits = ()
     config.update(overrides)
     return config
+
+
+def tiny_config(data_dir: str, **overrides) -> ml_collections.ConfigDict:
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from configs import dirl
+
+    config = dirl.get_config("synthetic")
+    config.model.update(hidden_dim=32, num_heads=4, word_dim=16, ffn_dim=64, mlp_hidden_dim=64)
+    return tiny_run(config, data_dir, **overrides)
 
 
 def _one_step(config, workdir, num_devices, batch):
