@@ -1,9 +1,17 @@
-"""CHEERS entity retrieval (paper §3.1.2): Eq. 1 and its constraint against NumPy written from
-the text, both backbones end to end on a small synthetic dataset, and the errors."""
+"""CHEERS entity retrieval (paper §3.1.2, data_prep/retrieval.py): Eq. 1 and its constraint
+against NumPy written from the text, the contrastive backbone's held-out accuracy, both
+backbones end to end through the command on a small synthetic dataset (CLIP: a tiny random
+checkpoint, interrupted and resumed), the output checks and the errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import re
+import shutil
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -13,109 +21,297 @@ from changecap_jax.data import datasets, entity_inputs
 from data_prep import entities as entity_lib
 from data_prep import retrieval
 
+# --- Eq. 1
+
 
 def eq1_reference(s_bef, s_aft, k, absolute):
-    """Per pair, written from §3.1.2: entities with a similarity above that image's average
-    similarity (either image) are candidates; argmax of S_bef - S_aft (or |.|) among them,
-    repeated for the next best; then the others, as our documented fill rule."""
-    out = []
-    for sb, sa in zip(s_bef, s_aft, strict=True):
-        score = [abs(b - a) if absolute else b - a for b, a in zip(sb, sa, strict=True)]
-        ok = [sb[e] > sum(sb) / len(sb) or sa[e] > sum(sa) / len(sa) for e in range(len(sb))]
-        ranked = sorted(range(len(sb)), key=lambda e: (not ok[e], -score[e], e))
-        out.append(ranked[:k])
-    return np.array(out)
+    """Per pair, float64, written from §3.1.2: an entity is a candidate when its similarity to
+    either image is above that image's average similarity over the entities; repeatedly take
+    the argmax of S_bef - S_aft (|.| when absolute) among the candidates left, the lower id on
+    ties; when the candidates run out, the other entities the same way (our fill rule)."""
+    ids, scores, flags = [], [], []
+    for sb, sa in zip(np.asarray(s_bef, np.float64), np.asarray(s_aft, np.float64), strict=True):
+        m = len(sb)
+        score = [abs(sb[e] - sa[e]) if absolute else sb[e] - sa[e] for e in range(m)]
+        ok = [sb[e] > sum(sb) / m or sa[e] > sum(sa) / m for e in range(m)]
+        chosen = []
+        for _ in range(k):
+            left = [e for e in range(m) if e not in chosen]
+            pool = [e for e in left if ok[e]] or left
+            best = max(score[e] for e in pool)
+            chosen.append(min(e for e in pool if score[e] == best))
+        ids.append(chosen)
+        scores.append([score[e] for e in chosen])
+        flags.append([ok[e] for e in chosen])
+    return np.array(ids), np.array(scores), np.array(flags)
 
 
 @pytest.mark.parametrize("difference", ["signed", "absolute"])
 def test_equation_1_with_the_above_average_constraint(difference):
     rng = np.random.default_rng(0)
-    s_bef, s_aft = rng.uniform(-1, 1, (50, 20)), rng.uniform(-1, 1, (50, 20))
+    s_bef, s_aft = rng.uniform(-1, 1, (60, 20)), rng.uniform(-1, 1, (60, 20))
+    s_bef[:5] = s_bef[:5].round(1)  # some exact ties
+    s_aft[:5] = s_aft[:5].round(1)
     ids, scores, constrained = retrieval.retrieve(s_bef, s_aft, 3, difference)
-    np.testing.assert_array_equal(ids, eq1_reference(s_bef, s_aft, 3, difference == "absolute"))
-    want = np.take_along_axis(s_bef - s_aft, ids, 1)
-    if difference == "absolute":
-        want = np.abs(want)
-    np.testing.assert_allclose(scores, want, atol=1e-6)
-    assert constrained.all()  # 20 random entities: always >= 3 above the mean
+    want_ids, want_scores, want_ok = eq1_reference(s_bef, s_aft, 3, difference == "absolute")
+    assert ids.dtype == np.int32 and scores.dtype == np.float32 and constrained.dtype == bool
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(constrained, want_ok)
 
 
 def test_constraint_excludes_the_top_scorer_and_fills_short_lists():
     # Entity 0 has the largest S_bef - S_aft but is below average in both images.
     s_bef = np.array([[-0.5, 0.9, 0.8, 0.7, 0.6]])
     s_aft = np.array([[-0.99, 0.8, 0.6, 0.65, 0.7]])
-    ids, _, constrained = retrieval.retrieve(s_bef, s_aft, 3)
-    assert 0 not in ids[0]
+    ids, scores, constrained = retrieval.retrieve(s_bef, s_aft, 3)
     np.testing.assert_array_equal(ids[0], [2, 1, 3])  # 0.2, 0.1, 0.05 among 1..4
-    # Only one entity above average anywhere: it comes first, the rest are filled, flagged.
+    np.testing.assert_allclose(scores[0], [0.2, 0.1, 0.05], atol=1e-6)
+    assert constrained.all()
+    # |.|: entity 4 (0.1 lower after) ties entity 1 (0.1 higher before): the lower id first
+    ids, _, _ = retrieval.retrieve(s_bef, s_aft, 3, "absolute")
+    np.testing.assert_array_equal(ids[0], [2, 1, 4])
+    # Only entity 3 is above average anywhere: it comes first, the rest are filled, flagged.
     s_bef = np.array([[0.0, 0.0, 0.0, 1.0]])
     s_aft = np.array([[0.0, 0.0, 0.0, 1.0]])
     ids, _, constrained = retrieval.retrieve(s_bef, s_aft, 3)
-    assert ids[0, 0] == 3
+    np.testing.assert_array_equal(ids[0], [3, 0, 1])  # the ineligible ones tie: lower ids
     np.testing.assert_array_equal(constrained[0], [True, False, False])
-    np.testing.assert_array_equal(ids[0, 1:], [0, 1])  # ties to the lower id
+    want_ids, _, want_ok = eq1_reference(s_bef, s_aft, 3, False)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(constrained, want_ok)
+    with pytest.raises(ValueError, match="k must be in"):
+        retrieval.retrieve(s_bef, s_aft, 5)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("retrieval_data")
-    ds = datasets.prepare("synthetic", root, "moderate", SMALL)
-    entity_lib.extract_dataset_entities("synthetic", root, "moderate", SMALL, backend="rules")
+# --- the contrastive backbone on held-out pairs
+
+TOY_COLORS = ("red", "blue", "green", "yellow")
+TOY_SHAPES = ("cube", "sphere", "cylinder")
+
+
+class ToyDataset:
+    """The surface of a PreparedDataset that retrieval uses, over 4x4x16 grids where a cell
+    holding an object carries its colour code plus its shape code. The after image drops
+    the first object, moves the others and changes the brightness; noise everywhere. 12
+    entities ("red cube", ...), all seen in train; no saved images."""
+
+    name = "toy"
+
+    def __init__(self, directory, sizes, seed=0):
+        rng = np.random.default_rng(seed)
+        color, shape = rng.normal(size=(4, 16)), rng.normal(size=(3, 16))
+        self.directory = directory
+        self.meta = types.SimpleNamespace(has_distractor=False)
+        self.builder = types.SimpleNamespace(info=types.SimpleNamespace(splits=dict(sizes)))
+
+        def grid(objects, gain):
+            g = rng.normal(0.0, 0.3, (16, 16))
+            for o, cell in zip(objects, rng.choice(16, len(objects), replace=False),
+                               strict=True):
+                g[cell] += color[o // 3] + shape[o % 3]
+            return (gain * g).reshape(4, 4, 16).astype(np.float16)
+
+        self.splits, next_id = {}, 0
+        for split, n in sizes.items():
+            self.splits[split] = []
+            for _ in range(n):
+                objects = rng.choice(12, 3, replace=False)
+                name = f"{TOY_COLORS[objects[0] // 3]} {TOY_SHAPES[objects[0] % 3]}"
+                captions = [f"the {name} is gone", f"the {name} has disappeared"]
+                self.splits[split].append({
+                    "id": next_id, "before": grid(objects, 1.0),
+                    "after_semantic": grid(objects[1:], rng.uniform(0.8, 1.2)),
+                    "change_captions": np.array([c.encode() for c in captions], object)})
+                next_id += 1
+
+    def split(self, name):
+        return self.splits[name]
+
+
+@pytest.fixture
+def toy(tmp_path):
+    ds = ToyDataset(tmp_path, {"train": 300, "test": 100})
+    captions = [c.decode() for r in ds.split("train") for c in r["change_captions"]]
+    entity_lib.save_entities(tmp_path / entity_lib.ENTITIES_FILE,
+                             entity_lib.extract_entities(captions, backend="rules"))
     return ds
 
 
-def test_contrastive_backbone_end_to_end(dataset):
-    settings = retrieval.ContrastiveSettings(steps=200, batch_size=32, dim=16, hidden=32)
-    meta = retrieval.run_retrieval(dataset, k=3, contrastive=settings, overwrite=True)
-    inputs = entity_inputs.load(dataset.directory)
-    assert inputs.embeddings.shape == (meta["num_entities"], 16)
-    np.testing.assert_allclose(np.linalg.norm(inputs.embeddings, axis=1), 1.0, atol=1e-5)
+def test_contrastive_backbone_generalises_to_held_out_pairs(toy):
+    """Trained on train, scored on unseen test pairs: far above chance (top-1 1/12, top-3
+    1/4), which an untrained model, or one whose training and retrieval scores disagree
+    (sign, entity order), does not reach."""
+    settings = retrieval.ContrastiveSettings(steps=150, batch_size=64, dim=16, hidden=32)
+    meta = retrieval.run_retrieval(toy, contrastive=settings)
+    test = meta["accuracy"]["test"]
+    assert meta["num_entities"] == 12 and test["n"] == 100 and test["excluded"] == 0
+    assert meta["chance_top3"] == 0.25
+    assert test["top1"] >= 0.6 and test["top3"] >= 0.75, meta["accuracy"]  # measured .84 .95
+    details = meta["backbone_details"]
+    assert details["steps"] == 150 and details["loss_final"] < details["loss_first"]
+    untrained = retrieval.run_retrieval(toy, overwrite=True,
+                                        contrastive=dataclasses.replace(settings, steps=0))
+    assert untrained["accuracy"]["test"]["top3"] < 0.6, untrained["accuracy"]
+
+
+def test_contrastive_streams_grids_that_do_not_fit_in_memory(toy):
+    """A real dataset's train grids are read per batch; the result is the same."""
+    results = []
+    for max_bytes in (2 << 30, 0):
+        settings = retrieval.ContrastiveSettings(steps=20, batch_size=64, dim=8, hidden=8,
+                                                 max_memory_bytes=max_bytes)
+        retrieval.run_retrieval(toy, contrastive=settings, overwrite=True)
+        results.append(retrieval.load_retrieval(toy.directory).split("test", 100))
+    np.testing.assert_array_equal(results[0].ids["semantic"], results[1].ids["semantic"])
+    np.testing.assert_allclose(results[0].scores["semantic"], results[1].scores["semantic"],
+                               atol=1e-6)
+
+
+def test_clip_needs_saved_images(toy, tmp_path):
+    with pytest.raises(ValueError, match="dataset 'toy'.*raw images.*--backbone=contrastive"):
+        retrieval.run_retrieval(toy, backbone="clip", clip_path=str(tmp_path))
+    with pytest.raises(ValueError, match="needs --clip_path"):
+        retrieval.run_retrieval(toy, backbone="clip")
+
+
+# --- the command on the small synthetic dataset
+
+
+@pytest.fixture(scope="module")
+def synthetic(small_synthetic, tmp_path_factory):
+    """A copy of the session's small synthetic dataset (images saved) with its entities.json:
+    the session's own directory is not written to."""
+    root = tmp_path_factory.mktemp("retrieval_data")
+    directory = small_synthetic.directory
+    shutil.copytree(directory.parents[1], root / directory.parents[1].name)
+    entity_lib.extract_dataset_entities("synthetic", root, "moderate", SMALL, backend="rules")
+    return datasets.prepare("synthetic", root, "moderate", SMALL, build_if_missing=False)
+
+
+def cli(dataset, *flags):
+    argv = ["retrieval", f"--data_dir={dataset.directory.parents[2]}", "--dataset=synthetic",
+            "--variant=moderate", *(f"--{k}={v}" for k, v in SMALL.items()
+                                    if k != "feature_shape"),
+            "--feature_shape=" + ",".join(map(str, SMALL["feature_shape"])), *flags]
+    lines = []
+    return retrieval.main(argv, log=lines.append), "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def contrastive_output(synthetic, tmp_path_factory):
+    """The command's contrastive result on the synthetic copy, kept aside (other tests
+    overwrite the dataset's entity_retrieval/)."""
+    status, out = cli(synthetic, "--steps=200")
+    assert status == 0, out
+    keep = tmp_path_factory.mktemp("contrastive") / "dataset"
+    shutil.copytree(synthetic.directory / retrieval.RETRIEVAL_DIR,
+                    keep / retrieval.RETRIEVAL_DIR)
+    return keep, out
+
+
+def test_contrastive_command_end_to_end(synthetic, contrastive_output):
+    directory, out = contrastive_output
+    data = retrieval.load_retrieval(directory)
+    meta = data.meta
+    m = meta["num_entities"]
+    assert meta["backbone"] == "contrastive" and meta["k"] == 3 and meta["difference"] == "signed"
+    assert data.embeddings.shape == (m, 64) and data.embeddings.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(data.embeddings, axis=1), 1.0, atol=1e-5)
+    assert data.texts == entity_lib.load_entities(synthetic.directory / "entities.json").texts
+    assert data.orientations == ["semantic", "distractor", "distractor_swapped"]
     for split in ("train", "val", "test"):
-        source = dataset.split(split)
-        record_ids, ids = inputs.split_ids(split, len(source))
-        assert list(record_ids) == [int(source[i]["id"]) for i in range(len(source))]
-        assert set(ids) == set(entity_inputs.ORIENTATIONS)
-        for a in ids.values():
-            assert a.shape == (len(source), 3)
-            assert all(len(set(row)) == 3 for row in a)
-    # The model is trained on train: a consistent objective and ranking must fit it far above
-    # chance (a sign or index mix-up between training and retrieval would not).
+        source = synthetic.split(split)
+        arrays = data.split(split, len(source))
+        assert list(arrays.record_ids) == [int(source[i]["id"]) for i in range(len(source))]
+        for o in data.orientations:
+            assert arrays.ids[o].shape == (len(source), 3)
+            assert all(len(set(row)) == 3 for row in arrays.ids[o])
+            assert (np.diff(arrays.scores[o][arrays.constrained[o].all(1)], axis=1) <= 0).all()
+    # The trainer's reader takes the same files.
+    assert entity_inputs.load(directory).split_ids("test", len(synthetic.split("test")))
+    # 40 train pairs cannot teach the 200 exact entity strings to held-out pairs (the toy test
+    # above checks generalisation); the fit of train itself must be far above chance, which a
+    # sign or index mix-up between training and retrieval would not give.
     train = meta["accuracy"]["train"]
-    assert train["n"] > 0 and train["top3"] > 0.5 > 10 * meta["chance_top3"]
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        retrieval.run_retrieval(dataset, contrastive=settings)
+    assert train["n"] == SMALL["num_train"] and train["top3"] > 0.5 > 20 * meta["chance_top3"]
+    assert "top-1" in out and "chance: top-1" in out and "written:" in out
+    status, _ = cli(synthetic, "--steps=1")
+    assert status == 1  # exists: needs --overwrite
 
 
-def test_missing_entity_list_names_the_command(tmp_path):
-    ds = datasets.prepare("synthetic", tmp_path, "moderate", SMALL)
-    with pytest.raises(FileNotFoundError, match="data_prep.entities"):
-        retrieval.run_retrieval(ds)
+def test_missing_entity_list_names_the_file_and_the_command(synthetic, tmp_path, capsys):
+    root = tmp_path / "data"
+    rel = synthetic.directory.relative_to(synthetic.directory.parents[2])
+    shutil.copytree(synthetic.directory.parents[1], root / rel.parts[0])
+    (root / rel / "entities.json").unlink()
+    status, _ = cli(types.SimpleNamespace(directory=root / rel), "--steps=1")
+    err = capsys.readouterr().err
+    assert status == 1
+    assert str(root / rel / "entities.json") in err and "python -m data_prep.entities" in err
+    status, _ = cli(synthetic, "--bogus=1")
+    assert status == 2
 
 
-def test_malformed_retrieval_files_are_named(dataset, tmp_path):
-    import shutil
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: _meta(d, k=10_000), "meta.json: k is 10000, more than num_entities"),
+    (lambda d: _meta(d, format="other/1"), "meta.json: format"),
+    (lambda d: _meta(d, orientations=["semantic", "sideways"]), "meta.json: orientations"),
+    (lambda d: _meta(d, embedding_dim=5), r"embeddings.npy: array has shape \(\d+, 64\)"),
+    (lambda d: np.save(d / "embeddings.npy", np.load(d / "embeddings.npy").astype(np.float64)),
+     "embeddings.npy: array .* dtype float64, expected .* float32"),
+    (lambda d: (d / "texts.json").write_text(json.dumps(["cube"])), "texts.json: list"),
+    (lambda d: (d / "val.npz").unlink(), "val.npz: file missing"),
+    (lambda d: _npz(d, record_ids=lambda a: a[:-1]),
+     r"test.npz: record_ids has shape \(9,\) dtype int64, expected \(10,\) int64"),
+    (lambda d: _npz(d, ids_semantic=lambda a: a.astype(np.int64)),
+     r"test.npz: ids_semantic .* dtype int64, expected \(10, 3\) int32"),
+    (lambda d: _npz(d, ids_semantic=lambda a: a + 10_000), "ids_semantic holds ids outside"),
+    (lambda d: _npz(d, scores_distractor=None), "test.npz: scores_distractor is missing"),
+    (lambda d: _npz(d, constrained_distractor_swapped=lambda a: a.astype(np.uint8)),
+     "constrained_distractor_swapped .* expected .* bool"),
+])
+def test_malformed_retrieval_files_are_named(contrastive_output, tmp_path, mutate, message):
+    directory = tmp_path / "dataset"
+    shutil.copytree(contrastive_output[0], directory)
+    mutate(directory / retrieval.RETRIEVAL_DIR)
+    with pytest.raises(ValueError, match=message):
+        retrieval.load_retrieval(directory).split("test", 10)
 
-    retrieval.run_retrieval(dataset, overwrite=True, contrastive=retrieval.ContrastiveSettings(
-        steps=5, dim=8, hidden=8))
-    copy = tmp_path / "copy"
-    shutil.copytree(dataset.directory / entity_inputs.RETRIEVAL_DIR,
-                    copy / entity_inputs.RETRIEVAL_DIR)
-    meta_path = copy / entity_inputs.RETRIEVAL_DIR / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    meta["embedding_dim"] = 99
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(entity_inputs.EntityInputError, match="embeddings.npy"):
-        entity_inputs.load(copy)
-    inputs = entity_inputs.load(dataset.directory)
-    with pytest.raises(entity_inputs.EntityInputError, match="record_ids"):
-        inputs.split_ids("test", 99)
+
+def test_record_count_must_match_the_split(contrastive_output):
+    data = retrieval.load_retrieval(contrastive_output[0])
+    with pytest.raises(ValueError, match="test.npz.*10 rows but the split has 11 records"):
+        data.split("test", 11)
+    with pytest.raises(ValueError, match="splits has no 'dev'"):
+        data.split("dev")
+
+
+def _meta(directory, **changes):
+    meta = json.loads((directory / "meta.json").read_text())
+    meta.update(changes)
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def _npz(directory, **changes):
+    path = directory / "test.npz"
+    arrays = dict(np.load(path))
+    for key, change in changes.items():
+        if change is None:
+            del arrays[key]
+        else:
+            arrays[key] = change(arrays[key])
+    np.savez(path, **arrays)
+
+
+# --- CLIP
 
 
 def _tiny_clip(path):
     """A randomly initialised CLIP with a character-level BPE tokenizer, saved offline."""
     transformers = pytest.importorskip(
         "transformers", reason="transformers is not installed (optional: pip install -r "
-        "requirements-torch.txt)")
+        "requirements-torch.txt); the CLIP backbone is untested")
     import torch
 
     torch.manual_seed(0)
@@ -141,28 +337,41 @@ def _tiny_clip(path):
 
 
 @pytest.mark.torch
-def test_clip_backbone_end_to_end_and_resumable(dataset, tmp_path):
+def test_clip_command_end_to_end_and_resumable(synthetic, tmp_path, caplog, capsys):
+    pytest.importorskip("torch", reason="PyTorch is not installed (optional: pip install -r "
+                        "requirements-torch.txt); the CLIP backbone is untested")
     clip = _tiny_clip(tmp_path)
-    cache = dataset.directory / f"{entity_inputs.RETRIEVAL_DIR}.clip_cache"
-    # An interrupted run leaves its embeddings so far in the cache ...
-    with pytest.raises(KeyboardInterrupt):
-        retrieval.run_retrieval(dataset, backbone="clip", clip_path=str(clip), overwrite=True,
-                                clip_options={"batch_size": 8, "max_batches": 2})
-    (partial_file,) = cache.glob("*.npz")  # the first image field of the first split
-    with np.load(partial_file) as partial:
-        assert len(partial["embeddings"]) == 16
-    # ... which a rerun continues from; the result equals a run from scratch.
-    meta = retrieval.run_retrieval(dataset, backbone="clip", clip_path=str(clip),
-                                   overwrite=True, clip_options={"batch_size": 8})
-    resumed = {s: dict(np.load(dataset.directory / entity_inputs.RETRIEVAL_DIR / f"{s}.npz"))
-               for s in ("train", "test")}
-    assert not cache.exists()  # spent once the result is written
-    retrieval.run_retrieval(dataset, backbone="clip", clip_path=str(clip), overwrite=True,
-                            clip_options={"batch_size": 8})
+    flags = (f"--clip_path={clip}", "--batch_size=8", "--overwrite")
+    cache = synthetic.directory / retrieval.CLIP_CACHE_DIR
+    out_dir = synthetic.directory / retrieval.RETRIEVAL_DIR
+    # Interrupted after 2 batches: nothing written, the 16 embeddings so far cached.
+    status, _ = cli(synthetic, *flags, "--stop_after_batches=2")
+    assert status == 130 and "run the same command again" in capsys.readouterr().err
+    (partial,) = cache.glob("*.npz")
+    with np.load(partial) as data:
+        assert len(data["embeddings"]) == 16 and len(data["record_ids"]) == 16
+    # Resumed: continues from the cache, which is spent once the result is written.
+    with caplog.at_level(logging.INFO):
+        status, out = cli(synthetic, *flags)
+    assert status == 0, out
+    assert "16 images already embedded" in caplog.text and not cache.exists()
+    resumed = {s: dict(np.load(out_dir / f"{s}.npz")) for s in ("train", "val", "test")}
+    # A run from scratch gives the same result.
+    status, _ = cli(synthetic, *flags)
+    assert status == 0
+    data = retrieval.load_retrieval(synthetic.directory)
     for split, arrays in resumed.items():
-        fresh = np.load(dataset.directory / entity_inputs.RETRIEVAL_DIR / f"{split}.npz")
-        for key in arrays:
-            np.testing.assert_allclose(fresh[key], arrays[key], atol=1e-5, err_msg=key)
-    assert meta["backbone"] == "clip" and meta["embedding_dim"] == 12
-    inputs = entity_inputs.load(dataset.directory)
-    assert inputs.split_ids("test", len(dataset.split("test")))[1]["semantic"].shape[1] == 3
+        fresh = data.split(split, len(synthetic.split(split)))
+        np.testing.assert_array_equal(fresh.record_ids, arrays["record_ids"])
+        for o in data.orientations:
+            np.testing.assert_array_equal(fresh.ids[o], arrays[f"ids_{o}"])
+            np.testing.assert_allclose(fresh.scores[o], arrays[f"scores_{o}"], atol=1e-6)
+    assert data.meta["backbone"] == "clip" and data.meta["embedding_dim"] == 12
+    assert data.meta["backbone_details"]["path"] == str(clip.resolve())
+    assert data.embeddings.shape == (data.meta["num_entities"], 12)
+
+
+def test_clip_without_transformers_says_what_to_install(synthetic, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    with pytest.raises(ImportError, match=re.escape("pip install -r requirements-torch.txt")):
+        retrieval.ClipBackbone(synthetic, tmp_path)
