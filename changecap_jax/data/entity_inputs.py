@@ -119,13 +119,10 @@ def load(dataset_directory: str | Path) -> EntityInputs:
 
 class WithEntities:
     """A data source whose records gain ``entity_ids_<o>`` / ``entities_<o>`` (first
-    ``count`` of the k retrieved) for every orientation the dataset has."""
+    ``count`` of the k retrieved) for every orientation the dataset has. ``count`` is checked
+    against k once, by ``datasets.with_entities``, which every use goes through."""
 
     def __init__(self, source: Any, inputs: EntityInputs, split: str, count: int):
-        if not 1 <= count <= inputs.k:
-            raise EntityInputError(
-                f"{inputs.directory}: the model reads {count} entities per pair but the "
-                f"retrieval kept k={inputs.k}; rerun python -m data_prep.retrieval --k={count}")
         self._source, self._inputs, self._count = source, inputs, count
         self._record_ids, self._ids = inputs.split_ids(split, len(source))
         self._path = inputs.directory / f"{split}.npz"
