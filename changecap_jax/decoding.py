@@ -24,6 +24,11 @@ beam, and ``beam_size=1`` equals greedy. UNK's -1e10 is finite, so a K larger th
 continuations can hold UNK beams (scored near -1e10); with even fewer hypotheses than K, the
 rest are filler beams scored -inf.
 
+A model whose token conventions differ (another START id, no UNK ban, running all
+``max_len - 1`` steps with the raw ids kept after END) declares ``decoding_rules``
+(:class:`changecap_jax.models.base.DecodingRules`); every function here follows them, and the
+defaults are the conventions above.
+
 Protocol every model implements (linen methods called through ``model.apply``):
 
 * ``encode(before, after, *, train=False, **conditioning) -> memory``: the decoder's
@@ -52,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from changecap_jax.models.base import DecodingRules, decoding_rules
+
 Array = jax.Array
 
 PAD_ID = 0
@@ -70,10 +77,15 @@ class DecodeOutput(NamedTuple):
     log_probs: Array
 
 
-def _next_token_log_probs(logits: Array) -> Array:
+DEFAULT_RULES = DecodingRules()
+
+
+def _next_token_log_probs(logits: Array, rules: DecodingRules = DEFAULT_RULES) -> Array:
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     # After the log-softmax, so the distribution is not renormalised (§3.7 step 3).
-    return log_probs.at[:, UNK_ID].set(UNK_LOG_PROB)
+    for banned in rules.banned_ids:
+        log_probs = log_probs.at[:, banned].set(UNK_LOG_PROB)
+    return log_probs
 
 
 def _without_cache(variables: Any) -> dict:
@@ -91,18 +103,21 @@ def _cached_decode(
     greedy: bool,
     conditioning: dict,
 ) -> DecodeOutput:
+    rules = decoding_rules(model)
     variables = _without_cache(variables)
     memory = model.apply(variables, before, after, method="encode", **conditioning)
     _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
 
-    ids = jnp.zeros((batch, max_len), jnp.int32).at[:, 0].set(START_ID)
+    ids = jnp.zeros((batch, max_len), jnp.int32).at[:, 0].set(rules.start_id)
     log_probs = jnp.zeros((batch, max_len), jnp.float32)
     unfinished = jnp.ones((batch,), bool)
-    symbol = jnp.full((batch,), START_ID, jnp.int32)
+    symbol = jnp.full((batch,), rules.start_id, jnp.int32)
 
     def cond(carry: tuple) -> Array:
         k, _, unfinished, *_ = carry
+        if not rules.stop_at_end:
+            return k < max_len - 1
         return jnp.logical_and(k < max_len - 1, jnp.any(unfinished))
 
     def body(carry: tuple) -> tuple:
@@ -110,7 +125,7 @@ def _cached_decode(
         logits, mutated = model.apply(
             {**variables, "cache": cache}, symbol, k, method="decode_step", mutable=["cache"]
         )
-        lp = _next_token_log_probs(logits)
+        lp = _next_token_log_probs(logits, rules)
         if greedy:
             nxt = jnp.argmax(lp, axis=-1).astype(jnp.int32)
         else:
@@ -118,8 +133,9 @@ def _cached_decode(
             nxt = nxt.astype(jnp.int32)
         chosen = jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]
         chosen = jnp.where(unfinished, chosen, 0.0)
-        unfinished = jnp.logical_and(unfinished, nxt != END_ID)
-        symbol = nxt * unfinished  # END and everything after it become 0
+        unfinished = jnp.logical_and(unfinished, nxt != rules.end_id)
+        # END and everything after it become 0, unless the model keeps the raw ids.
+        symbol = nxt * unfinished if rules.stop_at_end else nxt
         ids = ids.at[:, k + 1].set(symbol)
         log_probs = log_probs.at[:, k + 1].set(chosen)
         return k + 1, symbol, unfinished, ids, log_probs, mutated["cache"]
@@ -165,21 +181,22 @@ def full_recompute_greedy(
 ) -> DecodeOutput:
     """Reference greedy decoding: a plain Python loop that reruns ``decode`` on the whole id
     buffer every step, as the official ``sample()`` does (for tests; slow)."""
+    rules = decoding_rules(model)
     variables = _without_cache(variables)
     memory = _encode(model, variables, before, after, dict(conditioning or {}))
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
     ids = np.zeros((batch, max_len), np.int32)
     log_probs = np.zeros((batch, max_len), np.float32)
     unfinished = np.ones((batch,), bool)
-    ids[:, 0] = START_ID
+    ids[:, 0] = rules.start_id
     for k in range(max_len - 1):
         logits = _full_logits(model, variables, memory, jnp.asarray(ids))[:, k]
-        lp = np.asarray(_next_token_log_probs(logits))
+        lp = np.asarray(_next_token_log_probs(logits, rules))
         nxt = lp.argmax(axis=-1).astype(np.int32)
         log_probs[:, k + 1] = np.where(unfinished, lp[np.arange(batch), nxt], 0.0)
-        unfinished &= nxt != END_ID
-        ids[:, k + 1] = nxt * unfinished
-        if not unfinished.any():
+        unfinished &= nxt != rules.end_id
+        ids[:, k + 1] = nxt * unfinished if rules.stop_at_end else nxt
+        if rules.stop_at_end and not unfinished.any():
             break
     return DecodeOutput(jnp.asarray(ids), jnp.asarray(log_probs))
 
@@ -217,6 +234,7 @@ def _beam_search(
     conditioning: dict,
 ) -> BeamOutput:
     K = beam_size
+    rules = decoding_rules(model)
     variables = _without_cache(variables)
     memory = model.apply(variables, before, after, method="encode", **conditioning)
     batch = jax.tree_util.tree_leaves(memory)[0].shape[0]
@@ -224,13 +242,13 @@ def _beam_search(
     memory = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), memory)
     _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
 
-    ids = jnp.zeros((batch, K, max_len), jnp.int32).at[:, :, 0].set(START_ID)
+    ids = jnp.zeros((batch, K, max_len), jnp.int32).at[:, :, 0].set(rules.start_id)
     log_probs = jnp.zeros((batch, K, max_len), jnp.float32)
     # Only beam 0 is live at first, so step 0 expands one copy of START instead of K.
     scores = jnp.full((batch, K), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
     finished = jnp.broadcast_to(jnp.arange(K) > 0, (batch, K))
     lengths = jnp.zeros((batch, K), jnp.int32)
-    symbol = jnp.full((batch * K,), START_ID, jnp.int32)
+    symbol = jnp.full((batch * K,), rules.start_id, jnp.int32)
     row_base = jnp.arange(batch)[:, None] * K
 
     def cond(carry: tuple) -> Array:
@@ -243,7 +261,7 @@ def _beam_search(
             {**variables, "cache": cache}, symbol, k, method="decode_step", mutable=["cache"]
         )
         vocab = logits.shape[-1]
-        lp = _next_token_log_probs(logits).reshape(batch, K, vocab)
+        lp = _next_token_log_probs(logits, rules).reshape(batch, K, vocab)
         # A finished beam has one continuation, PAD at log-prob 0, so its score stays fixed
         # and it keeps competing for a slot with the live beams.
         pad_only = jnp.where(jnp.arange(vocab) == PAD_ID, 0.0, -jnp.inf)
@@ -262,7 +280,7 @@ def _beam_search(
 
         live = jnp.logical_not(jnp.take_along_axis(finished, parent, axis=1))
         # -inf only arises from filler beams, which then stay finished (as filler).
-        finished = (~live) | (token == END_ID) | jnp.isneginf(scores)
+        finished = (~live) | (token == rules.end_id) | jnp.isneginf(scores)
         chosen = jnp.where(live, chosen, 0.0)
         new_symbol = token * jnp.logical_not(finished)  # END and everything after it become 0
         lengths = jnp.take_along_axis(lengths, parent, axis=1) + live.astype(jnp.int32)

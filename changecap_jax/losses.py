@@ -110,17 +110,21 @@ def ccr_infonce_loss(t: Array, v: Array, *, axis_name: AxisName = None) -> Array
     return _psum(jnp.sum(nll), axis_name) / (b_local * _axis_size(axis_name))
 
 
-def caption_cross_entropy(logits: Array, targets: Array, *, axis_name: AxisName = None) -> Array:
-    """torch ``CrossEntropyLoss(ignore_index=-1)`` (mean) over the global batch.
+def caption_cross_entropy(logits: Array, targets: Array, *, axis_name: AxisName = None,
+                          reduction: str = "mean") -> Array:
+    """torch ``CrossEntropyLoss(ignore_index=-1)`` over the global batch.
 
     Args:
       logits: (..., V) caption logits.
       targets: (...) int targets, ``IGNORE_INDEX`` where no loss applies.
       axis_name: mesh axis the batch is split over, or None.
+      reduction: "mean" or "sum" (torch's ``reduction``).
 
-    Sum of the token NLLs over targets != IGNORE_INDEX divided by the global count of such
-    tokens (both psum-ed). Like torch, a batch without any target gives NaN.
+    The sum of the token NLLs over targets != IGNORE_INDEX (psum-ed), divided for "mean" by the
+    global count of such tokens. Like torch, a mean over a batch without any target is NaN.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {logits.shape} and targets {targets.shape} disagree on the leading axes"
@@ -130,6 +134,8 @@ def caption_cross_entropy(logits: Array, targets: Array, *, axis_name: AxisName 
     safe = jnp.where(valid, targets, 0)
     nll = -jnp.take_along_axis(log_probs, safe[..., None].astype(jnp.int32), axis=-1)[..., 0]
     total = _psum(jnp.sum(jnp.where(valid, nll, 0.0)), axis_name)
+    if reduction == "sum":
+        return total
     count = _psum(jnp.sum(valid), axis_name)
     return total / count
 

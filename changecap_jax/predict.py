@@ -39,7 +39,7 @@ from tqdm import tqdm
 from changecap_jax import decoding, explain
 from changecap_jax.export import ExportedModel, load_exported
 from changecap_jax.jsonio import write_json_atomic
-from changecap_jax.models.base import conditioning_shapes
+from changecap_jax.models.base import conditioning_shapes, decoding_rules, extra_tokens
 
 
 class PredictError(ValueError):
@@ -185,15 +185,19 @@ class Predictor:
         ids, log_probs = self.decode(before, after)
         maps = explain.attention_maps(self.model, self.variables, before, after, ids)
         vocab = self.exported.vocab
+        end_id, extra = decoding_rules(self.model).end_id, extra_tokens(self.model)
         out = []
         for i, (b, a) in enumerate(names):
-            words = [int(t) for t in ids[i, 1:] if t != 0]
-            tokens = [vocab.id_to_word[t] for t in words]
-            n = len(words)
+            # The words stop at END, written as 0 (trunk rule) or kept as END followed by the
+            # raw ids of a model that decodes all steps.
+            row = [int(t) for t in ids[i, 1:]]
+            n = next((j for j, t in enumerate(row) if t in (0, end_id)), len(row))
+            tokens = [vocab.id_to_word[t] if t in vocab.id_to_word else extra[t]
+                      for t in row[:n]]
             lps = [float(x) for x in log_probs[i, 1:n + 2]][: n + 1]
-            if len(lps) == n + 1:  # the last log-prob is END's (written as id 0)
+            if n < len(row):  # END was emitted: its log-prob is the last one
                 tokens = [*tokens, "<END>"]
-            out.append(Prediction(b, a, vocab.decode(ids[i]), tokens, lps[: len(tokens)],
+            out.append(Prediction(b, a, vocab.decode(ids[i], extra), tokens, lps[: len(tokens)],
                                   maps.before[i], maps.after[i]))
         return out
 

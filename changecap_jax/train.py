@@ -32,7 +32,7 @@ from changecap_jax import decoding, evaluation, export, models, parallel
 from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
-from changecap_jax.models.base import conditioning_shapes
+from changecap_jax.models.base import conditioning_shapes, extra_tokens
 
 SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
 STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
@@ -42,6 +42,7 @@ STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id s
 
 
 INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
+INPUTS_FOLD = 0x1A9B7  # the "inputs" rng of a step is fold_in(step key, INPUTS_FOLD)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -67,16 +68,49 @@ class TrainState:
 # ---------------------------------------------------------------------------------------------
 
 
-def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> Any:
-    """StepLR stepped once per epoch: lr * factor ** floor(epoch / decay_every_epochs).
+SCHEDULES = ("step_lr", "piecewise", "noam")
 
-    ``count`` is the number of updates already made, so update t+1 (1-based) is in epoch
-    floor(t / steps_per_epoch), as the official loop (reference §7.8).
+
+def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> Any:
+    """The learning rate of update ``count`` (the number of updates already made).
+
+    ``optim.schedule``:
+
+    * "step_lr" (default): StepLR stepped once per epoch, lr * factor ** floor(epoch /
+      decay_every_epochs); update t+1 (1-based) is in epoch floor(t / steps_per_epoch), as the
+      official loop (reference §7.8). ``decay_every_epochs = 0`` keeps lr constant.
+    * "piecewise": lr * factor ** (number of ``optim.boundaries`` <= count), e.g. IDC-PCL's
+      fine-tuning 3e-5 / 1.5e-5 / 7.5e-6 at 10k / 20k steps (§5.6).
+    * "noam": lr * min(t / warmup, sqrt(warmup / t)) with t = count, and 1e-8 at t = 0, as
+      IDC-PCL's pretraining sets it before each step (§5.6).
     """
+    kind = optim.get("schedule", "step_lr")
+    if kind not in SCHEDULES:
+        raise ValueError(f"optim.schedule must be one of {SCHEDULES}, got {kind!r}")
+    base = optim.learning_rate
+    if kind == "noam":
+        warmup = float(optim.warmup_steps)
+        if warmup <= 0:
+            raise ValueError(f"optim.warmup_steps must be > 0 for the noam schedule, got {warmup}")
+
+        def noam(count: jax.Array) -> jax.Array:
+            t = jnp.asarray(count, jnp.float32)
+            lr = base * jnp.minimum(t / warmup, jnp.sqrt(warmup / jnp.maximum(t, 1.0)))
+            return jnp.where(t > 0, lr, 1e-8)
+
+        return noam
+    if kind == "piecewise":
+        boundaries = jnp.asarray(sorted(optim.boundaries), jnp.int32)
+
+        def piecewise(count: jax.Array) -> jax.Array:
+            passed = jnp.sum(jnp.asarray(count, jnp.int32) >= boundaries)
+            return base * optim.decay_factor ** passed.astype(jnp.float32)
+
+        return piecewise
     if not optim.decay_every_epochs:
-        return optax.constant_schedule(optim.learning_rate)
+        return optax.constant_schedule(base)
     return optax.exponential_decay(
-        optim.learning_rate,
+        base,
         transition_steps=optim.decay_every_epochs * steps_per_epoch,
         decay_rate=optim.decay_factor,
         staircase=True,
@@ -115,6 +149,9 @@ def make_optimizer(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> An
     chain = []
     if optim.grad_clip_norm:
         chain.append(optax.clip_by_global_norm(optim.grad_clip_norm))
+    if optim.get("weight_decay", 0.0):
+        # torch Adam's weight_decay: an L2 term added to the gradient before the moments.
+        chain.append(optax.add_decayed_weights(optim.weight_decay))
     chain.append(optax.adam(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps))
     optimizer = optax.chain(*chain)
     frozen = tuple(optim.get("frozen", ()))
@@ -140,19 +177,23 @@ def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any) -> Any:
     axis = parallel.DATA_AXIS
 
     def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
-        # Each device draws its own dropout masks.
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        # Each device draws its own dropout masks; "inputs" is the same key everywhere, so
+        # per-example input corruption can fold in the global example index (models/base.py).
+        dropout_rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
         out = model.apply({"params": params}, batch, train=True, axis_name=axis,
-                          rngs={"dropout": rng})
+                          rngs={"dropout": dropout_rng,
+                                "inputs": jax.random.fold_in(rng, INPUTS_FOLD)})
         unknown = set(out.aux_losses) ^ set(loss_weights)
         if unknown:
             raise ValueError(
                 f"config.loss_weights {sorted(loss_weights)} must name exactly the model's "
                 f"auxiliary losses {sorted(out.aux_losses)}"
             )
+        reduction = out.caption_reduction
         ce = {s: caption_cross_entropy(out.caption_logits[s], out.caption_targets[s],
-                                       axis_name=axis) for s in out.caption_logits}
-        caption = sum(ce.values()) / len(ce)
+                                       axis_name=axis, reduction=reduction)
+              for s in out.caption_logits}
+        caption = sum(ce.values()) / (len(ce) if reduction == "mean" else 1)
         total = caption + sum(loss_weights[k] * v for k, v in out.aux_losses.items())
         metrics = {"loss": total, "loss/caption": caption,
                    **{f"loss/caption_{s}": v for s, v in ce.items()},
@@ -168,11 +209,13 @@ def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any) -> Any:
 
 def make_train_step(
     model: Any, optimizer: Any, loss_weights: dict[str, float], mesh: Any,
-    zero_grad_rows: dict[str, int], schedule: Any,
+    zero_grad_rows: dict[str, int], schedule: Any, *, with_grads: bool = False,
 ) -> Any:
+    """The jitted update (state, global batch) -> (state, metrics); with ``with_grads`` the
+    gradients come back as a third output (for tests: one compile gives both)."""
     loss_fn = make_loss_fn(model, loss_weights, mesh)
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: dict) -> tuple:
         step_rng = jax.random.fold_in(state.rng, state.step)
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, batch, step_rng)
@@ -187,11 +230,11 @@ def make_train_step(
         metrics["learning_rate"] = schedule(state.step)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                rng=state.rng)
-        return new_state, metrics
+        return (new_state, metrics, grads) if with_grads else (new_state, metrics)
 
     repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
     return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data),
-                   out_shardings=(repl, repl))
+                   out_shardings=(repl,) * (3 if with_grads else 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +289,8 @@ class Trainer:
                                   max_len=self.max_len)
         # Extra per-pair inputs the model reads (e.g. retrieved entities), joined to records.
         self.conditioning = conditioning_shapes(self.model)
+        self.extra_tokens = extra_tokens(self.model)  # ids beyond the vocabulary, e.g. [MASK]
+        self.selection_metric = config.get("early_stop_metric", "CIDEr")
         self.dataset = datasets.attach_conditioning(self.dataset, self.conditioning)
         if "distractor" in self.model_streams() and not self.dataset.meta.has_distractor:
             raise datasets.DatasetError(
@@ -330,7 +375,12 @@ class Trainer:
         iterator = iter(self.train_loader())
         if manager.latest_step() is not None:
             state = self.restore(manager, state, iterator)
+        elif config.get("init_from", ""):
+            state = state.replace(params=init_params_from(
+                state.params, config.init_from, tuple(config.get("init_exclude", ()))))
         start = int(state.step)
+        stopper = EarlyStopping(self.workdir / BEST_DIR, config.get("early_stop_evals", 0),
+                                self.selection_metric)
         if self.is_main:
             n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
             logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
@@ -357,18 +407,31 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             do_eval = step % config.eval_every_steps == 0 or step == total_steps
             do_save = do_eval or step % config.checkpoint_every_steps == 0
+            stop = False
             if do_eval:
-                splits = (config.final_eval_splits if step == total_steps
-                          else config.eval_splits)
+                final = step == total_steps and not stopper.enabled
+                splits = config.final_eval_splits if final else config.eval_splits
                 last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
+                if stopper.enabled:
+                    stop = stopper.update(step, last_eval, state)
             if do_save:
-                saved_metrics = ({"val_CIDEr": last_eval["val"]["CIDEr"]}
+                saved_metrics = ({"val_CIDEr": last_eval["val"].get("CIDEr", 0.0)}
                                  if do_eval and "val" in last_eval else None)
                 manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
                     data=grain.checkpoint.CheckpointSave(iterator)), metrics=saved_metrics)
+            if stop:
+                logging.info("early stop at step %d: val %s has not improved for %d "
+                             "evaluations (best %.4f at step %d)", step, stopper.metric,
+                             stopper.patience, stopper.best, stopper.best_step)
+                break
         bar.close()
         manager.wait_until_finished()
+        if stopper.enabled:  # the final splits are scored with the best validation state
+            best = stopper.restore(state)
+            logging.info("final evaluation of the best state (step %d)", int(best.step))
+            last_eval = {s: self.evaluate(best, s, int(best.step), writer)
+                         for s in config.final_eval_splits}
         writer.close()
         return last_eval
 
@@ -435,15 +498,15 @@ class Trainer:
                                    else (meta.change_types[ct] if ct >= 0 else ""))
                     records.append(evaluation.PairCaption(
                         image_id=_text(record["image_id"]) + suffix,
-                        caption=self.dataset.vocab.decode(decoded[s][j]),
+                        caption=self.dataset.vocab.decode(decoded[s][j], self.extra_tokens),
                         references=[_text(c) for c in record[ref_key]],
                         change_type=change_type))
                     if self.dataset.entities is not None:
                         extra[records[-1].image_id] = {"entities": entity_inputs.entity_texts(
                             self.dataset.entities, record[f"entity_ids_{s}"])}
         if not self.is_main:
-            # Wait while process 0 scores, and learn the CIDEr that picks the best checkpoint.
-            return {"CIDEr": _share_from_main(0.0)}
+            # Wait while process 0 scores, and learn the metric that picks the best checkpoint.
+            return {self.selection_metric: _share_from_main(0.0)}
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
         metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
                        protocol=meta.protocol)
@@ -455,11 +518,101 @@ class Trainer:
         if writer is not None:
             writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
                                         if isinstance(v, float)})
-        _share_from_main(metrics["CIDEr"])
+        _share_from_main(metrics[self.selection_metric])
         return metrics
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
+
+
+BEST_DIR = "best"  # the best-validation state and the early-stopping record
+
+
+class EarlyStopping:
+    """Early stopping on a validation metric (IDC-PCL ``finetune.py``: stop after
+    ``patience`` evaluations without improvement, then test the best checkpoint).
+
+    The best state is saved to ``<workdir>/best`` with a ``record.json`` holding the best value,
+    its step and the count of evaluations since, so a resumed run continues the count.
+    ``patience = 0`` disables it (the trainer then scores the last state)."""
+
+    def __init__(self, directory: Path, patience: int, metric: str = "CIDEr"):
+        self.directory, self.patience, self.metric = Path(directory), int(patience), metric
+        self.best, self.best_step, self.since = -math.inf, -1, 0
+        record = self.directory / "record.json"
+        if self.enabled and record.exists():
+            saved = json.loads(record.read_text())
+            self.best, self.best_step, self.since = saved["best"], saved["step"], saved["since"]
+
+    @property
+    def enabled(self) -> bool:
+        return self.patience > 0
+
+    def _manager(self) -> ocp.CheckpointManager:
+        return make_checkpoint_manager(self.directory / "checkpoints", 1)
+
+    def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
+        """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
+        if "val" not in results or self.metric not in results["val"]:
+            raise KeyError(f"early stopping reads val {self.metric!r}; the evaluation gave "
+                           f"{sorted(results)} (set config.eval_splits to include 'val')")
+        value = float(results["val"][self.metric])
+        if value > self.best:
+            self.best, self.best_step, self.since = value, step, 0
+            manager = self._manager()
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                         force=True)
+            manager.wait_until_finished()
+        else:
+            self.since += 1
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / "record.json.tmp"
+            tmp.write_text(json.dumps({"metric": self.metric, "best": self.best,
+                                       "step": self.best_step, "since": self.since}))
+            tmp.replace(self.directory / "record.json")
+        return self.since >= self.patience
+
+    def restore(self, like: TrainState) -> TrainState:
+        manager = self._manager()
+        step = manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no best checkpoint in {self.directory}")
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(like)))
+        return restored["state"]
+
+
+def init_params_from(params: Any, workdir: str | os.PathLike,
+                     exclude: tuple[str, ...] = ()) -> Any:
+    """Parameters initialised from another run's latest checkpoint (e.g. IDC-PCL fine-tuning
+    from pretraining, §5.4): every parameter whose path exists there with the same shape is
+    copied, except paths containing one of ``exclude`` (the official code skips "pooler");
+    the others keep their fresh initialisation. A shared path with another shape is an error."""
+    manager = make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
+    step = manager.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
+    source = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    source_params = source["state"]["params"]
+    flat_src = flax.traverse_util.flatten_dict(source_params, sep="/")
+    flat = flax.traverse_util.flatten_dict(params, sep="/")
+    copied, skipped = [], []
+    for path, value in flat.items():
+        if path not in flat_src or any(e in path for e in exclude):
+            skipped.append(path)
+            continue
+        src = flat_src[path]
+        if tuple(src.shape) != tuple(value.shape):
+            raise ValueError(f"config.init_from: {path} has shape {tuple(src.shape)} in "
+                             f"{workdir} (step {step}) but {tuple(value.shape)} here")
+        flat[path] = jax.device_put(jnp.asarray(src, value.dtype), value.sharding)
+        copied.append(path)
+    if not copied:
+        raise ValueError(f"config.init_from: no parameter of this model is in {workdir}")
+    logging.info("init_from %s (step %d): %d parameters copied, %d fresh: %s", workdir, step,
+                 len(copied), len(skipped), skipped[:20])
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
 def _share_from_main(value: float) -> float:

@@ -65,8 +65,12 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
         "b1": 0.9,
         "b2": 0.999,
         "eps": 1e-8,
+        "schedule": "step_lr",  # step_lr | piecewise | noam (changecap_jax.train)
         "decay_factor": 0.1,
         "decay_every_epochs": 15,  # StepLR(step_size=15) stepped once per epoch
+        "boundaries": (),  # piecewise: steps where lr is multiplied by decay_factor
+        "warmup_steps": 0,  # noam
+        "weight_decay": 0.0,  # torch Adam's L2 term
         "grad_clip_norm": 0.0,  # 0 = no clipping (the official yaml's grad_clip -1)
         # Rows of embedding tables whose gradient is zeroed (torch padding_idx=0).
         "zero_grad_rows": {},
@@ -81,4 +85,12 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
         "length_penalty": 0.0,  # GNMT alpha for ranking beams; 0 = the highest log-probability
     })
     config.spice = "auto"
+    # Initialise from another run's latest checkpoint (parameters with the same path and
+    # shape; paths containing an init_exclude entry stay fresh). Empty = no.
+    config.init_from = ""
+    config.init_exclude = ()
+    # Stop after this many validation evaluations without improving early_stop_metric, then
+    # score final_eval_splits with the best state (0 = off: train all steps, score the last).
+    config.early_stop_evals = 0
+    config.early_stop_metric = "CIDEr"
     return config

@@ -13,6 +13,7 @@ full recompute; the teacher-forced ``decode`` and its sown attention equal the r
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from torch_reference import idc_pcl as tref  # noqa: E402
 
+from changecap_jax import decoding  # noqa: E402
 from changecap_jax.models import idc_pcl  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
 
@@ -35,6 +37,8 @@ D, HEADS, FF, C, GRID, V, L, LAYERS, CLS_ID = 64, 4, 128, 32, 3, 30, 12, 2, 6
 N = GRID * GRID
 TOL, GRAD_TOL = 1e-5, 1e-4
 REPORT: dict[str, float] = {}
+# The official dict.json layout (§5.1): BOS 1, MASK 5 and CLS inside the vocabulary.
+OFFICIAL_TOKENS = dict(bos_id=tref.BOS_ID, mask_id=tref.MASK_ID, cls_id=CLS_ID)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -59,8 +63,9 @@ def torch_model(stage: str, seed: int = 0) -> tref.IDCPCL:
 
 
 def flax_model(stage: str) -> idc_pcl.IDCPCL:
-    return idc_pcl.IDCPCL(vocab_size=V, cls_id=CLS_ID, stage=stage, hidden_dim=D, image_dim=C,
-                          ffn_dim=FF, num_heads=HEADS, cross_layers=LAYERS, dropout_rate=0.2)
+    return idc_pcl.IDCPCL(vocab_size=V, stage=stage, hidden_dim=D, image_dim=C, ffn_dim=FF,
+                          num_heads=HEADS, cross_layers=LAYERS, dropout_rate=0.2,
+                          **OFFICIAL_TOKENS)
 
 
 def params_of(model: tref.IDCPCL) -> dict:
@@ -141,9 +146,10 @@ def test_torch_reference_state_dict_equals_appendix_c():
 def test_flax_params_map_one_to_one_at_default_sizes(stage):
     with torch.device("meta"):
         ref = tref.IDCPCL(100, CLS_ID, stage)
-    model = idc_pcl.IDCPCL(vocab_size=100, cls_id=CLS_ID, stage=stage)
+    model = idc_pcl.IDCPCL(vocab_size=100, stage=stage, **OFFICIAL_TOKENS)
     img = jnp.zeros((1, 7, 7, 2048))
-    shapes = jax.eval_shape(model.init, jax.random.key(0), img, img, jnp.zeros((1, 40), int))
+    shapes = jax.eval_shape(functools.partial(model.init, method=stage), jax.random.key(0),
+                            img, img, jnp.zeros((1, 40), int))
     ours = {tuple(k.key for k in path): v.shape
             for path, v in jax.tree_util.tree_leaves_with_path(shapes["params"])}
     expected = {}
@@ -193,7 +199,7 @@ def test_finetune_forward_loss_and_gradients():
     loss_t.backward()
 
     def loss_fn(params):
-        o = model.apply({"params": params}, img1, img2, ids)
+        o = model.apply({"params": params}, img1, img2, ids, method="finetune")
         mlm, diff = idc_pcl.finetune_loss(o.mlm_logits, labels, o.distractor_logits, diff_labels)
         return mlm + diff, o
 
@@ -218,7 +224,8 @@ def test_train_mode_uses_dropout():
 
     @jax.jit
     def train_forward(key):
-        return model.apply(variables, img1, img2, ids, train=True, rngs={"dropout": key})
+        return model.apply(variables, img1, img2, ids, train=True, rngs={"dropout": key},
+                           method="finetune")
 
     # rbg keys: threefry dropout masks make this small program slow to compile on CPU.
     keys = jax.random.key(0, impl="rbg"), jax.random.key(1, impl="rbg")
@@ -257,7 +264,7 @@ def test_pretrain_forward_losses_and_gradients():
     sum(losses_t).backward()
 
     def loss_fn(params):
-        o = model.apply({"params": params}, m1, m2, ids)
+        o = model.apply({"params": params}, m1, m2, ids, method="pretrain")
         parts = (idc_pcl.pretrain_mlm_loss(o.mlm_logits, labels),
                  idc_pcl.mvcl_loss(o.regressed, img_mask, img_label),
                  idc_pcl.fda_loss(o.visual, o.text_cls))
@@ -287,7 +294,8 @@ def test_cached_greedy_equals_torch_full_recompute():
     variables = params_of(ref)
     img1, img2, _ = inputs(6, seed=8)
     want = ref.greedy(t_tokens(img1), t_tokens(img2), max_len=L).numpy()
-    got = np.asarray(idc_pcl.greedy_decode(model, variables, img1, img2, max_len=L))
+    # The trunk's cached greedy loop under the model's rules (no UNK ban, all L - 1 steps).
+    got = np.asarray(decoding.greedy_decode(model, variables, img1, img2, max_len=L).ids)
     assert got.shape == (6, L) and np.all(got[:, 0] == tref.BOS_ID)
     assert len(np.unique(got[:, 1:])) > 1  # a non-degenerate decode
     np.testing.assert_array_equal(got, want)

@@ -70,6 +70,40 @@ def test_learning_rate_steps_per_epoch():
     assert schedule(7950) == pytest.approx(2e-6)
 
 
+def test_noam_and_piecewise_schedules_match_the_idc_recipe():
+    import ml_collections
+    # Pretraining (§5.6): 1e-4 * min(t / 8000, sqrt(8000 / t)), 1e-8 at t = 0.
+    noam = train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+        learning_rate=1e-4, schedule="noam", warmup_steps=8000)), steps_per_epoch=1)
+    for t, want in [(0, 1e-8), (1, 1e-4 / 8000), (4000, 5e-5), (8000, 1e-4),
+                    (32_000, 5e-5), (250_000, 1e-4 * (8000 / 250_000) ** 0.5)]:
+        assert float(noam(t)) == pytest.approx(want, rel=1e-6), t
+    # Fine-tuning: 3e-5 below 10k updates, 1.5e-5 below 20k, 7.5e-6 after.
+    piecewise = train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+        learning_rate=3e-5, schedule="piecewise", decay_factor=0.5,
+        boundaries=(20_000, 10_000))), steps_per_epoch=1)
+    for t, want in [(0, 3e-5), (9_999, 3e-5), (10_000, 1.5e-5), (19_999, 1.5e-5),
+                    (20_000, 7.5e-6), (100_000, 7.5e-6)]:
+        assert float(piecewise(t)) == pytest.approx(want, rel=1e-6), t
+    with pytest.raises(ValueError, match="optim.schedule"):
+        train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+            learning_rate=1.0, schedule="cosine")), steps_per_epoch=1)
+
+
+def test_weight_decay_is_torch_adams_l2_term():
+    import ml_collections
+    optim = ml_collections.ConfigDict(dict(
+        learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay_factor=0.1,
+        decay_every_epochs=0, grad_clip_norm=0.0, weight_decay=0.1))
+    opt, _ = train.make_optimizer(optim, steps_per_epoch=1)
+    p = np.array([2.0, -1.0], np.float32); g = np.array([0.0, 0.3], np.float32)  # noqa: E702
+    updates, _ = opt.update(g, opt.init(p), p)
+    # torch: grad += wd * p before the moments, so a zero gradient still moves the weight.
+    g_total = g + 0.1 * p
+    expected = -1e-3 * g_total / (np.abs(g_total) + 1e-8)
+    np.testing.assert_allclose(updates, expected, rtol=1e-5)
+
+
 def test_adam_matches_torch_formula():
     # One optax Adam step equals torch's m_hat / (sqrt(v_hat) + eps) (reference §1.2).
     opt = optax.adam(2e-4, b1=0.9, b2=0.999, eps=1e-8)

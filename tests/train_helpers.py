@@ -46,10 +46,11 @@ def _one_step(config, workdir, num_devices, batch):
     trainer = train.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
     state = trainer.init_state()
     arrays = pipeline.to_global(batch, trainer.data_sharding)
-    loss_fn = train.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
-    step_rng = jax.random.fold_in(state.rng, state.step)  # what the train step uses
-    grads = jax.jit(jax.grad(loss_fn, has_aux=True))(state.params, arrays, step_rng)[0]
-    state, metrics = trainer.train_step(state, arrays)
+    # The trainer's own update, also returning the gradients (one compile for both).
+    step = train.make_train_step(
+        trainer.model, trainer.optimizer, dict(config.loss_weights), trainer.mesh,
+        dict(config.optim.zero_grad_rows), trainer.schedule, with_grads=True)
+    state, metrics, grads = step(state, arrays)
     return jax.device_get((state.params, grads, metrics))
 
 

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -224,15 +224,22 @@ class Vocabulary:
             )
         return out
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Ids -> text: skips a leading ``<START>``, stops at the first ``<NULL>`` or ``<END>``."""
+    def decode(self, ids: Sequence[int] | np.ndarray,
+               extra_tokens: Mapping[int, str] | None = None) -> str:
+        """Ids -> text: skips a leading ``<START>``, stops at the first ``<NULL>`` or ``<END>``.
+        ``extra_tokens`` names ids a model emits beyond the vocabulary (e.g. its [MASK] row)."""
+        extra = extra_tokens or {}
         words = []
         for n, i in enumerate(np.asarray(ids).tolist()):
             if n == 0 and i == START_ID:
                 continue
             if i in (PAD_ID, END_ID):
                 break
-            words.append(self.id_to_word[int(i)])
+            word = self.id_to_word.get(int(i), extra.get(int(i)))
+            if word is None:
+                raise ValueError(f"id {i} is neither in the vocabulary ({len(self)} words) nor "
+                                 f"one of the model's extra tokens {sorted(extra)}")
+            words.append(word)
         return " ".join(words)
 
     def save(self, path: str | os.PathLike) -> None:

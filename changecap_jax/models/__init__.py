@@ -6,11 +6,13 @@ import ml_collections
 
 from changecap_jax.models.cheers import CHEERS
 from changecap_jax.models.dirl import DIRLCCR
+from changecap_jax.models.idc_pcl import IDCPCL
 from changecap_jax.models.scorer import SCORERCBR
 from changecap_jax.models.subtraction import Subtraction
 
 MODELS = {
     "dirl": DIRLCCR, "scorer": SCORERCBR, "subtraction": Subtraction, "cheers": CHEERS,
+    "idc_pcl": IDCPCL,
 }
 
 

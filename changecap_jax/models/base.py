@@ -2,8 +2,18 @@
 
 A model is a Flax module whose ``__call__(batch, *, train, axis_name=None)`` returns a
 :class:`ModelOutput`. The trainer turns each caption stream into a cross-entropy averaged over
-the GLOBAL count of real target tokens, averages the streams, and adds every auxiliary loss
+the GLOBAL count of real target tokens (or summed over the global batch, when the output says
+``caption_reduction="sum"``), averages (or sums) the streams, and adds every auxiliary loss
 times ``config.loss_weights[name]``. It never looks at which model produced the output.
+
+Randomness in training: the rng stream ``"dropout"`` differs per device; ``"inputs"`` is the
+same step key on every device, for input corruption (e.g. masked-LM masks) that must not
+depend on how the batch is split: fold the example's GLOBAL index into it.
+
+Decoding rules: a model whose token conventions differ from the trunk vocabulary's (start id,
+end id, which ids are banned, whether a row stops at its end token) says so with a
+``decoding_rules`` property (:class:`DecodingRules`); ids the vocabulary does not hold (e.g. an
+appended [MASK] row) are named by an ``extra_tokens`` property {id: text}.
 
 Where a model looked (the one hook ``changecap_jax.explain`` uses for heatmaps, for every
 model): each cross-attention of the decoder to its memory sows its probabilities
@@ -21,7 +31,7 @@ model): each cross-attention of the decoder to its memory sows its probabilities
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -29,6 +39,7 @@ import jax
 ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
 MEMORY_LAYOUTS = ("shared_grid", "before_after")
 IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
+CAPTION_REDUCTIONS = ("mean", "sum")
 
 
 @flax.struct.dataclass
@@ -36,15 +47,42 @@ class ModelOutput:
     """Outputs of one training forward pass.
 
     Attributes:
-      caption_logits: stream name -> (B, L, V) logits; position t predicts the token at t + 1.
+      caption_logits: stream name -> (B, L, V) logits, aligned with the targets (for a
+        left-to-right decoder, position t predicts the token at t + 1).
       caption_targets: stream name -> (B, L) int32 targets, ``IGNORE_INDEX`` where no loss applies.
       aux_losses: loss name -> scalar, already reduced over the global batch (identical on every
         device when computed inside ``shard_map``).
+      caption_reduction: "mean" (per-token mean over the global batch, then the mean of the
+        streams) or "sum" (every stream's token losses summed over the global batch).
     """
 
     caption_logits: dict[str, jax.Array]
     caption_targets: dict[str, jax.Array]
     aux_losses: dict[str, jax.Array]
+    caption_reduction: str = flax.struct.field(pytree_node=False, default="mean")
+
+
+class DecodingRules(NamedTuple):
+    """Token conventions of the decoding loops (``changecap_jax.decoding``). The defaults are
+    the trunk vocabulary's and the SCORER / DIRL ``sample()``: START 2, END 3, UNK (1) banned,
+    a row stops at END and is written as 0 from there on. With ``stop_at_end=False`` greedy and
+    sampling run all ``max_len - 1`` steps and keep the raw ids after END (beam search always
+    finishes a beam at END)."""
+
+    start_id: int = 2
+    end_id: int = 3
+    banned_ids: tuple[int, ...] = (1,)
+    stop_at_end: bool = True
+
+
+def decoding_rules(model: Any) -> DecodingRules:
+    """The model's :class:`DecodingRules` (the trunk defaults unless it declares its own)."""
+    return getattr(model, "decoding_rules", None) or DecodingRules()
+
+
+def extra_tokens(model: Any) -> dict[int, str]:
+    """Ids a model can emit beyond the dataset vocabulary, with their text (usually none)."""
+    return dict(getattr(model, "extra_tokens", None) or {})
 
 
 def conditioning_shapes(model: Any) -> dict[str, tuple[int, ...]]:

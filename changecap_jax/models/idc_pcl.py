@@ -46,7 +46,21 @@ the key axis reordered to [img1 (N), img2 (N), CLS1, CLS2] so that ``MEMORY_LAYO
 rest of each query's attention is on text keys.
 
 Token ids: BOS = 1 and MASK = 5 are hard-coded by the official decoder (I-Q8); the CLS id is read
-from dict.json at run time, so it is a field here.
+from dict.json at run time. Here all four are fields. On the trunk (``"idc_pcl"`` in
+``models.MODELS``) the text uses the dataset vocabulary: BOS = <START> (2), EOS = <END> (3), and
+[MASK] and [CLS], which the vocabulary lacks, are rows appended after it (``mask_id`` /
+``cls_id`` None), so the embedding and output layer have vocab_size + 2 rows. The official
+layout is ``bos_id=1, mask_id=5, cls_id=dict["<CLS>"]`` over the whole dict.json.
+
+On the trunk (§5.4): ``__call__`` masks each caption stream as §5.1 (from the ``"inputs"`` rng
+and the example's global index, so the masks do not depend on the device count), returns the
+masked-LM logits and labels as the caption stream and the distractor classifier's CE as the
+auxiliary loss ``distractor`` (label 1 on the semantic pair, 0 on the distractor pair), both
+SUMMED over the global batch as ``finetune.py`` does (I-Q10; ``loss_reduction="mean"`` is the
+switch). Decoding follows :attr:`IDCPCL.decoding_rules`: no UNK ban, and with
+``stop_at_eos=False`` (the paper preset) all max_len - 1 steps with the raw ids kept, as
+``Model.greedy`` (§5.5); ``stop_at_eos=True`` stops a batch once every row has emitted EOS,
+which changes no caption (text is causal) and saves steps.
 """
 
 from __future__ import annotations
@@ -62,14 +76,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.models.base import ATTENTION
+from changecap_jax.models.base import (
+    ATTENTION,
+    IGNORE_INDEX,
+    DecodingRules,
+    ModelOutput,
+    pair_streams,
+)
 from changecap_jax.models.layers import Initializer, TorchDense, torch_default_kernel_init
 
 Array = jax.Array
 
 STAGES = ("pretrain", "finetune")
-BOS_ID = 1
+LOSS_REDUCTIONS = ("sum", "mean")
+BOS_ID = 1  # the official dict.json layout (I-Q8)
 MASK_ID = 5
+STREAMS = {  # caption stream -> (after-image field, caption field, distractor label)
+    "semantic": ("after_semantic", "change_caption", 1),
+    "distractor": ("after_distractor", "no_change_caption", 0),
+}
 TYPE_CLS1, TYPE_IMG1, TYPE_CLS2, TYPE_IMG2, TYPE_CLS3, TYPE_TEXT = 1, 2, 3, 4, 5, 6
 NUM_TYPES = 7
 PE_LEN = 200  # rows of the official sinusoid buffer
@@ -335,6 +360,36 @@ def _tokens(x: Array) -> Array:
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
 
 
+def mask_caption(
+    key: Array, ids: Array, *, eos_id: int, mask_id: int, num_tokens: int,
+    word_probability: float = 0.15, eos_probability: float = 0.15,
+) -> tuple[Array, Array]:
+    """§5.1 ``mask_sent`` on one caption ids (L,) = [BOS, words.., EOS, PAD..] ->
+    (masked ids, labels), labels -1 except at the chosen positions.
+
+    Each word is chosen with ``word_probability``; a chosen word becomes MASK (0.8), a uniform
+    id of the whole vocabulary, specials included (0.1, I-Q13), or stays (0.1); its label is the
+    word. With no word chosen the first word is masked. Then the EOS becomes MASK with label EOS
+    with ``eos_probability`` (else it stays, unlabelled)."""
+    length = ids.shape[0]
+    k_pick, k_kind, k_rand, k_eos = jax.random.split(key, 4)
+    pos = jnp.arange(length)
+    is_eos = ids == eos_id
+    eos_pos = jnp.where(jnp.any(is_eos), jnp.argmax(is_eos), length)
+    is_word = (pos >= 1) & (pos < eos_pos)
+    chosen = is_word & (jax.random.uniform(k_pick, (length,)) < word_probability)
+    chosen = jnp.where(jnp.any(chosen), chosen, is_word & (pos == 1))
+    kind = jax.random.uniform(k_kind, (length,))
+    random_ids = jax.random.randint(k_rand, (length,), 0, num_tokens, jnp.int32)
+    replaced = jnp.where(kind < 0.8, mask_id, jnp.where(kind < 0.9, random_ids, ids))
+    masked = jnp.where(chosen, replaced, ids)
+    labels = jnp.where(chosen, ids, IGNORE_INDEX)
+    eos_masked = (pos == eos_pos) & (jax.random.uniform(k_eos) < eos_probability)
+    masked = jnp.where(eos_masked, mask_id, masked)
+    labels = jnp.where(eos_masked, eos_id, labels)
+    return masked.astype(jnp.int32), labels.astype(jnp.int32)
+
+
 def finetune_mask(n_img: int, n_text: int) -> Array:
     """§5.2 fine-tuning mask (1, L, L), True = attend: every query sees the n_img image/CLS
     tokens, image queries see no text, text query i sees text keys j <= i."""
@@ -347,14 +402,15 @@ def finetune_mask(n_img: int, n_text: int) -> Array:
 
 class IDCPCL(nn.Module):
     """The §5.2 model. ``stage="pretrain"`` has ``feat_regress`` and the 3d -> 2 pooler (unused
-    by the CLEVR tasks), ``"finetune"`` the 2d -> 2 distractor pooler. ``__call__`` runs the
-    stage's forward (:meth:`pretrain` / :meth:`finetune`)."""
+    by the CLEVR tasks), ``"finetune"`` the 2d -> 2 distractor pooler. :meth:`pretrain` and
+    :meth:`finetune` are the stages' forwards on arrays; ``__call__`` is the trunk's fine-tuning
+    step on a batch (module docstring)."""
 
     # Sown attention keys are reordered to [img1, img2, CLS1, CLS2] (module docstring).
     MEMORY_LAYOUT: ClassVar[str] = "before_after"
 
-    vocab_size: int
-    cls_id: int  # dict.json's "<CLS>" (read at run time by the official code, §5.1)
+    vocab_size: int  # words of the vocabulary; [MASK] / [CLS] rows are added when their id is None
+    max_len: int = 40  # caption ids per row (the trunk passes the dataset's)
     stage: str = "finetune"
     hidden_dim: int = 512
     image_dim: int = 2048
@@ -362,13 +418,64 @@ class IDCPCL(nn.Module):
     num_heads: int = 8
     cross_layers: int = 3
     dropout_rate: float = 0.2
+    pairs: str = "both"  # the official train.json holds semantic and distractor pairs alike
+    bos_id: int = 2  # trunk <START>; the official dict.json has BOS = 1
+    eos_id: int = 3  # trunk <END>
+    mask_id: int | None = None  # None: a row appended after the vocabulary; official 5
+    cls_id: int | None = None  # None: appended after [MASK]; official dict.json's "<CLS>"
+    loss_reduction: str = "sum"  # finetune.py sums token and sample losses (I-Q10)
+    stop_at_eos: bool = False  # Model.greedy always runs max_len - 1 steps (§5.5)
+    word_mask_probability: float = 0.15  # §5.1 mask_sent
+    eos_mask_probability: float = 0.15
+
+    # ---- token layout ------------------------------------------------------------------------
+
+    @property
+    def mask_token(self) -> int:
+        return self.vocab_size if self.mask_id is None else self.mask_id
+
+    @property
+    def cls_token(self) -> int:
+        if self.cls_id is not None:
+            return self.cls_id
+        return self.vocab_size + (self.mask_id is None)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of ``word_embedding`` / ``output_layer``: the vocabulary plus appended specials."""
+        return self.vocab_size + (self.mask_id is None) + (self.cls_id is None)
+
+    @property
+    def extra_tokens(self) -> dict[int, str]:
+        """The appended ids the decoder can emit (the official ``transform`` prints them)."""
+        extra = {}
+        if self.mask_id is None:
+            extra[self.mask_token] = "<MASK>"
+        if self.cls_id is None:
+            extra[self.cls_token] = "<CLS>"
+        return extra
+
+    @property
+    def decoding_rules(self) -> DecodingRules:
+        return DecodingRules(start_id=self.bos_id, end_id=self.eos_id, banned_ids=(),
+                             stop_at_end=self.stop_at_eos)
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return pair_streams(self.pairs)
 
     def setup(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
+                             f"{self.loss_reduction!r}")
+        if self.max_len + 1 > PE_LEN:  # decoding puts a MASK at position max_len
+            raise ValueError(f"max_len {self.max_len} needs {self.max_len + 1} sinusoid rows; "
+                             f"the official table has {PE_LEN}")
         d = self.hidden_dim
         self.word_embedding = nn.Embed(
-            self.vocab_size, d, embedding_init=nn.initializers.normal(1.0)
+            self.num_tokens, d, embedding_init=nn.initializers.normal(1.0)
         )
         self.img_project_0 = ImageProjection(self.image_dim, d)
         self.position_encoding = PositionalEmb(d, self.dropout_rate)
@@ -378,7 +485,7 @@ class IDCPCL(nn.Module):
         self.single_img_encoder = block(num_layers=1)
         self.double_img_encoder = block(num_layers=1)
         self.encoder = block(num_layers=self.cross_layers)
-        self.output_layer = TorchDense(self.vocab_size)
+        self.output_layer = TorchDense(self.num_tokens)
         self.pooler_0 = TorchDense(2)
         if self.stage == "pretrain":
             self.feat_regress = FeatRegress(d, self.image_dim)
@@ -386,11 +493,15 @@ class IDCPCL(nn.Module):
     # ---- embeddings (§5.2) -----------------------------------------------------------------
 
     def _cls(self, batch: int, type_id: int, deterministic: bool) -> Array:
-        emb = self.word_embedding(jnp.full((batch, 1), self.cls_id, jnp.int32))
+        emb = self.word_embedding(jnp.full((batch, 1), self.cls_token, jnp.int32))
         return self.position_encoding(emb, type_id, "cls", deterministic=deterministic)
 
     def _image(self, x: Array, type_id: int, deterministic: bool) -> Array:
-        e = nn.sigmoid(self.img_project_0(_tokens(x)))
+        x = _tokens(x)
+        if x.shape[-1] != self.image_dim:
+            raise ValueError(f"image features have {x.shape[-1]} channels, the model expects "
+                             f"image_dim = {self.image_dim} (set --config.model.image_dim)")
+        e = nn.sigmoid(self.img_project_0(x))
         return self.position_encoding(e, type_id, "img", deterministic=deterministic)
 
     def _text(self, ids: Array, deterministic: bool, positions: Array | None = None) -> Array:
@@ -462,12 +573,60 @@ class IDCPCL(nn.Module):
         pooled = jnp.concatenate([out[:, 0], out[:, n + 1]], -1)
         return FinetuneOutput(out, self.output_layer(out[:, n_img:]), self.pooler_0(pooled))
 
-    def __call__(
-        self, img1: Array, img2: Array, ids: Array, *, train: bool = False
-    ) -> PretrainOutput | FinetuneOutput:
-        if self.stage == "pretrain":
-            return self.pretrain(img1, img2, ids, train=train)
-        return self.finetune(img1, img2, ids, train=train)
+    def __call__(self, batch: dict[str, Array], *, train: bool,
+                 axis_name: str | None = None) -> ModelOutput:
+        """§5.4 on the trunk: per caption stream, the §5.1-masked caption through
+        :meth:`finetune`; the caption stream is the masked LM (logits and labels at every text
+        position) and ``distractor`` the classifier's CE (label 1 semantic, 0 distractor)."""
+        if self.stage != "finetune":
+            raise ValueError("the trunk trains stage='finetune'; pretraining has its own step "
+                             "(changecap_jax.pretrain)")
+        missing = [k for k in ("before", *(k for s in self.streams for k in STREAMS[s][:2]))
+                   if k not in batch]
+        if missing:
+            raise KeyError(f"IDC-PCL batch is missing {missing}; it has {sorted(batch)}")
+        local_b = batch["before"].shape[0]
+        masked = self.masked_captions(batch, axis_name=axis_name)
+        logits, targets, distractor_ce = {}, {}, []
+        for stream in self.streams:
+            after_key, _, label = STREAMS[stream]
+            ids, labels = masked[stream]
+            out = self.finetune(batch["before"], batch[after_key], ids, train=train)
+            logits[stream], targets[stream] = out.mlm_logits, labels
+            ce, _ = _token_ce(out.distractor_logits, jnp.full((local_b,), label, jnp.int32))
+            distractor_ce.append(jnp.sum(ce))
+        aux = {}
+        if len(self.streams) > 1:  # with semantic pairs only there is nothing to classify
+            total = jnp.sum(jnp.stack(distractor_ce))
+            if axis_name is not None:
+                total = jax.lax.psum(total, axis_name)
+            if self.loss_reduction == "mean":
+                count = local_b * len(self.streams)
+                total = total / (count if axis_name is None else jax.lax.psum(count, axis_name))
+            aux["distractor"] = total
+        return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux,
+                           caption_reduction=self.loss_reduction)
+
+    def masked_captions(self, batch: dict[str, Array], *,
+                        axis_name: str | None = None) -> dict[str, tuple[Array, Array]]:
+        """stream -> (masked ids, labels) by :func:`mask_caption`, from the ``"inputs"`` rng
+        (a fixed key without it) folded with the stream and the GLOBAL example index, so the
+        masks are the same however the batch is split over devices."""
+        local_b = batch["before"].shape[0]
+        offset = 0 if axis_name is None else jax.lax.axis_index(axis_name) * local_b
+        example = offset + jnp.arange(local_b)
+        key = self.make_rng("inputs") if self.has_rng("inputs") else jax.random.key(0)
+        mask = functools.partial(
+            mask_caption, eos_id=self.eos_id, mask_id=self.mask_token,
+            num_tokens=self.num_tokens, word_probability=self.word_mask_probability,
+            eos_probability=self.eos_mask_probability)
+        masked = {}
+        for n, stream in enumerate(self.streams):
+            keys = jax.vmap(lambda i, n=n: jax.random.fold_in(jax.random.fold_in(key, n), i))(
+                example)
+            masked[stream] = jax.vmap(mask)(keys, jnp.asarray(batch[STREAMS[stream][1]],
+                                                                jnp.int32))
+        return masked
 
     # ---- decoding protocol (changecap_jax/decoding.py; §5.5) ---------------------------------
 
@@ -498,7 +657,8 @@ class IDCPCL(nn.Module):
         Under the causal text mask this equals the official recompute of gen + [MASK].
         Needs index <= max_len - 2 (the MASK's slot must exist in the cache)."""
         b = token.shape[0]
-        ids = jnp.stack([jnp.asarray(token, jnp.int32), jnp.full((b,), MASK_ID, jnp.int32)], 1)
+        ids = jnp.stack(
+            [jnp.asarray(token, jnp.int32), jnp.full((b,), self.mask_token, jnp.int32)], 1)
         positions = index + jnp.arange(2)
         x = self.encoder.norm(self._text(ids, True, positions))
         for i, layer in enumerate(self.encoder.layers):
@@ -536,7 +696,7 @@ class IDCPCL(nn.Module):
         b, length = ids.shape
         n_img = memory.shape[1]
         n = (n_img - 2) // 2
-        masks = jnp.full((b, length), MASK_ID, jnp.int32)
+        masks = jnp.full((b, length), self.mask_token, jnp.int32)
         text = jnp.concatenate(
             [self._text(ids, det), self._text(masks, det, jnp.arange(1, length + 1))], 1
         )
@@ -560,37 +720,6 @@ class IDCPCL(nn.Module):
         for i, p in enumerate(probs):
             self.sow(ATTENTION, f"encoder_layer_{i}", p[:, :, n_img + length :, order])
         return self.output_layer(out[:, n_img + length :])
-
-
-# --------------------------------------------------------------------------------------------
-# Greedy decoding with the official semantics (§5.5)
-# --------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("model", "max_len"))
-def greedy_decode(
-    model: IDCPCL, variables: Any, img1: Array, img2: Array, *, max_len: int = 40
-) -> Array:
-    """§5.5: ids (B, max_len), BOS (1) at 0, then max_len - 1 argmax steps at a trailing MASK,
-    no UNK ban and no early stop (cut at the first EOS afterwards, as ``transform`` does).
-    Uses the key/value cache; ``changecap_jax.decoding``'s generic loop assumes START = 2 and
-    bans UNK, which is not the official IDC behaviour."""
-    variables = {k: v for k, v in dict(variables).items() if k != "cache"}
-    memory = model.apply(variables, img1, img2, method="encode")
-    _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
-    b = memory.shape[0]
-    ids = jnp.zeros((b, max_len), jnp.int32).at[:, 0].set(BOS_ID)
-
-    def body(k: Array, carry: tuple[Array, Any]) -> tuple[Array, Any]:
-        ids, cache = carry
-        logits, mutated = model.apply(
-            {**variables, "cache": cache}, ids[:, k], k, method="decode_step", mutable=["cache"]
-        )
-        ids = ids.at[:, k + 1].set(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        return ids, mutated["cache"]
-
-    ids, _ = jax.lax.fori_loop(0, max_len - 1, body, (ids, state["cache"]))
-    return ids
 
 
 # --------------------------------------------------------------------------------------------
