@@ -510,15 +510,21 @@ class Trainer:
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
         metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
                        protocol=meta.protocol)
+        protocols = tuple(config.get("eval_protocols", ("coco",)))
+        if "idc" in protocols:  # the IDC code's scoring of the same captions, side by side
+            metrics["idc"] = evaluation.evaluate_pairs_idc(records)
         evaluation.write_results(self.workdir, split, step, records, metrics, extra=extra)
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
+        if "idc" in metrics:
+            logging.info("protocols compared:\n%s", evaluation.format_protocol_comparison(
+                {"coco": metrics, "idc": metrics["idc"]}))
         for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:
             logging.info("  %s: %r | refs %r%s", r.image_id, r.caption, r.references[:2],
                          f" | inputs {extra[r.image_id]}" if r.image_id in extra else "")
         if writer is not None:
             writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
                                         if isinstance(v, float)})
-        _share_from_main(metrics[self.selection_metric])
+        _share_from_main(selection_value(metrics, self.selection_metric))
         return metrics
 
     def model_streams(self) -> tuple[str, ...]:
@@ -526,6 +532,21 @@ class Trainer:
 
 
 BEST_DIR = "best"  # the best-validation state and the early-stopping record
+
+
+def selection_value(metrics: dict[str, Any], name: str) -> float:
+    """The metric that selects checkpoints: a top-level key ("CIDEr") or PROTOCOL/KEY of a
+    second protocol's scores ("idc/CIDEr")."""
+    if name in metrics:  # also how other processes receive process 0's value
+        return float(metrics[name])
+    node: Any = metrics
+    for part in name.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"selection metric {name!r} is not in the evaluation results "
+                           f"(keys: {sorted(metrics)}); set config.early_stop_metric, and "
+                           "config.eval_protocols to include 'idc' for idc/...")
+        node = node[part]
+    return float(node)
 
 
 class EarlyStopping:
@@ -553,10 +574,10 @@ class EarlyStopping:
 
     def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
         """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
-        if "val" not in results or self.metric not in results["val"]:
+        if "val" not in results:
             raise KeyError(f"early stopping reads val {self.metric!r}; the evaluation gave "
                            f"{sorted(results)} (set config.eval_splits to include 'val')")
-        value = float(results["val"][self.metric])
+        value = selection_value(results["val"], self.metric)
         if value > self.best:
             self.best, self.best_step, self.since = value, step, 0
             manager = self._manager()

@@ -85,6 +85,9 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
         "length_penalty": 0.0,  # GNMT alpha for ranking beams; 0 = the highest log-probability
     })
     config.spice = "auto"
+    # "coco" (pycocoevalcap as SCORER/DIRL) always; add "idc" to also score the captions the
+    # IDC-PCL code's way (whitespace tokens, no PTB tokenizer), written under metrics["idc"].
+    config.eval_protocols = ("coco",)
     # Initialise from another run's latest checkpoint (parameters with the same path and
     # shape; paths containing an init_exclude entry stay fresh). Empty = no.
     config.init_from = ""

@@ -93,6 +93,10 @@ def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     else:
         raise ValueError(f"unknown dataset {dataset!r} for configs/idc_pcl.py; choose one of "
                          f"{[*SYNTHETIC, *PAPER_PRESETS]}")
+    # Both protocols in every evaluation; the official model selection uses the IDC code's
+    # CIDEr (clver/eval.py: whitespace tokens, §5.7), ROUGE-L for Birds-to-Words.
+    config.eval_protocols = ("coco", "idc")
+    config.early_stop_metric = "idc/" + config.early_stop_metric
     config.init_exclude = ("pooler",)  # finetune.py keeps the pooler's random init (§5.4)
     config.loss_weights = ({"distractor": 1.0} if config.model.pairs == "both" else {})
     config.optim.zero_grad_rows = {}  # no padding_idx in the official embedding
