@@ -4,7 +4,9 @@
                                          --config.FIELD=VALUE, e.g. --config.batch_size=32)
     --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
-                                         score the latest checkpoint on the final splits
+                                         score the latest checkpoint on the final splits;
+                                         a config with a ``pretrain`` block pretrains
+                                         (changecap_jax/pretrain.py, train mode only)
     --model=DIR                          with --mode=eval: score an exported model
                                          (python -m changecap_jax.export) instead; --config
                                          is then optional (it overrides all but the model)
@@ -58,7 +60,16 @@ def main(argv: list[str]) -> None:
         name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
         workdir = os.path.join("workdir", name)
     logging.info("workdir: %s\nconfig:\n%s", workdir, config)
-    if FLAGS.mode == "train":
+    if "pretrain" in config:
+        # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
+        # it validates while training and has no captions to score.
+        if FLAGS.mode != "train":
+            raise app.UsageError("a pretraining config (with a pretrain block) has no "
+                                 "--mode=eval: its val losses are written while it trains")
+        from changecap_jax import pretrain
+
+        pretrain.PretrainTrainer(config, workdir).train()
+    elif FLAGS.mode == "train":
         train.Trainer(config, workdir).train()
     else:
         train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)

@@ -242,7 +242,9 @@ def make_train_step(
 # ---------------------------------------------------------------------------------------------
 
 
-def make_checkpoint_manager(directory: str | os.PathLike, keep: int) -> ocp.CheckpointManager:
+def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
+                            item_names: tuple[str, ...] = ("state", "data"),
+                            ) -> ocp.CheckpointManager:
     """orbax manager of (train state, data iterator state) items.
 
     Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
@@ -260,7 +262,7 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int) -> ocp.Chec
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policy, enable_async_checkpointing=False, create=True)
     return ocp.CheckpointManager(Path(directory).absolute(), options=options,
-                                 item_names=("state", "data"))
+                                 item_names=item_names)
 
 
 # ---------------------------------------------------------------------------------------------

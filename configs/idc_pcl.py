@@ -1,8 +1,28 @@
-"""IDC-PCL (Yao et al., AAAI 2022) fine-tuning; reference/official_pytorch.md §5.
+"""IDC-PCL (Yao et al., AAAI 2022): pretraining and fine-tuning; reference/official_pytorch.md §5.
 
-    python -m changecap_jax.main --config=configs/idc_pcl.py[:finetune[/DATASET]]
+    python -m changecap_jax.main --config=configs/idc_pcl.py:pretrain[/DATASET] --workdir=P
+    python -m changecap_jax.main --config=configs/idc_pcl.py[:finetune[/DATASET]] \
+        --config.init_from=P        (optional: fine-tune from the pretraining run in P)
 
-Presets (``finetune/DATASET``; ``finetune`` alone is the synthetic set):
+Pretraining presets (``pretrain/DATASET``; ``pretrain`` alone is the synthetic set), run by
+changecap_jax/pretrain.py (§5.3, §5.6): each step draws one task, MLM : MVCL : FDA = 8 : 1 : 2,
+from (seed, step); Adam with the noam schedule; every task's loss over the global batch. FDA
+reads 6 hard negatives per pair from ``<split>_neg_tfidf6.json`` in the dataset's directory:
+make them first with ``python -m data_prep.hard_negatives --dataset=NAME [--data_dir=DIR]``.
+  pretrain/synthetic          the fine-tuning CPU model below (hidden 128, 4 heads, FFN 256,
+  pretrain/synthetic_extreme  2 blocks, no dropout), batch 64 examples (128 pairs), FDA batch
+                              16 pairs, lr 5e-4 with noam warm-up 100, 1000 steps.
+  pretrain/clevr_change       Table 6 / §5.6: the paper model, lr 1e-4, noam warm-up 8000,
+                              250k steps, 200 pairs per step (100 examples), FDA batch 28 pairs,
+                              val every 1000 steps, ratio 8:1:2.
+  pretrain/birds_to_words     warm-up 4000, 50k steps, 2 blocks, captions of 80, ratio 9:1:2,
+                              semantic pairs only (200 per step; the bird code is not in §5).
+``--config.pretrain.tasks='("mlm", "mvcl")'`` trains a subset (Table 4: ("mlm",), ("mlm",
+"mvcl"), all three); ``pretrain.task_ratio`` keeps one weight per task of (mlm, mvcl, fda) and
+the enabled tasks share it. Checkpoints hold the state and each task's data stream, so a run
+resumes exactly.
+
+Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic set):
   finetune/synthetic          the built-in synthetic dataset with a CPU-sized model (hidden 128,
                               4 heads, FFN 256, 2 cross-modal blocks, no dropout), batch 64,
                               1000 steps, constant lr 5e-4, the official summed loss.
@@ -18,7 +38,7 @@ Presets (``finetune/DATASET``; ``finetune`` alone is the synthetic set):
 Batch: the official loader's 200 samples are single pairs with one sentence each, semantic and
 non-semantic mixed; an example here gives both its pairs, so CLEVR-Change's 200 samples are 100
 examples. Initialise from pretraining with ``--config.init_from=PRETRAIN_WORKDIR`` (every
-parameter except the pooler, as ``finetune.py``).
+parameter except the pooler, as ``finetune.py``; pretraining's feat_regress has no place here).
 
 Tokens: on the trunk the text uses the dataset vocabulary (BOS = <START>, EOS = <END>) with
 [MASK] and [CLS] rows appended; the official dict.json layout (BOS 1, MASK 5) is what
@@ -31,7 +51,7 @@ import ml_collections
 
 from configs import common
 
-STAGES = ("finetune",)
+STAGES = ("pretrain", "finetune")
 SYNTHETIC = ("synthetic", "synthetic_extreme")
 # dataset -> (cross-modal blocks, caption ids, examples per step, weight decay, early-stop metric,
 #             pairs)
@@ -59,6 +79,41 @@ def _paper_model() -> ml_collections.ConfigDict:
     })
 
 
+# dataset -> (warm-up steps, total steps, task ratio mlm:mvcl:fda)  (Table 6, §5.6)
+PRETRAIN_SCHEDULE = {
+    "clevr_change": (8_000, 250_000, (8, 1, 2)),
+    "birds_to_words": (4_000, 50_000, (9, 1, 2)),
+}
+PRETRAIN_SAMPLES = 200  # the official pretraining batch: 200 pairs (config/pretrain_clver.json)
+
+
+def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
+    """The pretraining stage (changecap_jax/pretrain.py, §5.3/§5.6): one task per step, Adam
+    with the noam schedule, no distractor classifier, no early stopping."""
+    warmup, steps, ratio = PRETRAIN_SCHEDULE.get(dataset, (100, 1000, (8, 1, 2)))
+    config.pretrain = ml_collections.ConfigDict({
+        # Table 4's ablations: ("mlm",), ("mlm", "mvcl"); the ratio applies to those enabled.
+        "tasks": ("mlm", "mvcl", "fda"),
+        "task_ratio": ratio,  # one weight per task of (mlm, mvcl, fda)
+        # FDA samples (pairs) per step, each with its 6 negatives: the official int(200 / 7) =
+        # 28 (196 captions); the CPU presets 16 of their 128 pairs (a multiple of 8 devices).
+        "fda_batch_size": 28 if dataset in PRETRAIN_SCHEDULE else 16,
+        "fda_temperature": 1.0,  # args.tmp (§5.3); MVCL's nce_temp is fixed at 1 (I-Q5)
+        "val_batches": 2,  # val batches per task at each validation (the same ones every time)
+    })
+    config.optim.update(schedule="noam", warmup_steps=warmup, weight_decay=0.0, boundaries=())
+    if dataset in PRETRAIN_SCHEDULE:
+        config.optim.learning_rate = 1e-4
+        config.num_train_steps = steps
+        # 200 pairs per step: 100 examples of two pairs, or 200 of one.
+        config.batch_size = PRETRAIN_SAMPLES // (2 if config.model.pairs == "both" else 1)
+        config.eval_every_steps = 1000
+        config.checkpoint_every_steps = 1000
+        config.early_stop_evals = 0
+    config.loss_weights = {}
+    config.init_exclude = ()
+
+
 def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
     stage, _, dataset = (preset or "finetune").partition("/")
@@ -67,6 +122,7 @@ def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown stage {stage!r} for configs/idc_pcl.py; choose one of "
                          f"{STAGES} (as STAGE[/DATASET])")
     config.model = _paper_model()
+    config.model.stage = stage
     config.seed = 1234  # the official seed
     config.swap_prob = 0.0  # the official loader never swaps the images
     if dataset in SYNTHETIC:
@@ -98,6 +154,9 @@ def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     config.eval_protocols = ("coco", "idc")
     config.early_stop_metric = "idc/" + config.early_stop_metric
     config.init_exclude = ("pooler",)  # finetune.py keeps the pooler's random init (§5.4)
+    if stage == "pretrain":
+        _pretraining(config, dataset)
+        return config
     config.loss_weights = ({"distractor": 1.0} if config.model.pairs == "both" else {})
     config.optim.zero_grad_rows = {}  # no padding_idx in the official embedding
     return config

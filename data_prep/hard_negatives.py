@@ -68,7 +68,8 @@ training captions and its split's captions. The same seed gives identical files.
 
 **Output** (``--out``, default the dataset's directory): ``{split}_neg_tfidf6.json`` per split,
 the official name (``neg_name = "neg_tfidf6"`` in the IDC config), so one naming rule and one
-reader (:func:`load_negatives`) serve our files and the authors'. The format is the official
+reader (``changecap_jax.data.negatives.load_negatives``, re-exported here; the pretraining
+pipeline reads the files with it) serve our files and the authors'. The format is the official
 one: JSON lines, one object per pair, ``{"img1", "img2", "sentences": [references],
 "neg_samples": [6 negatives]}`` (the official loader takes ``neg_samples`` in file order after
 the positive). ``img1``/``img2`` follow the CLEVR-Change naming the IDC loader relies on
@@ -99,21 +100,24 @@ from typing import Any
 
 import numpy as np
 
+from changecap_jax.data.negatives import (  # noqa: F401  (the reader lives in the core)
+    FILE_SUFFIX,
+    NUM_NEGATIVES,
+    NegativeRecord,
+    NegativesFileError,
+    load_negatives,
+    negatives_by_pair,
+    negatives_path,
+)
 from data_prep import word_classes as wc
 
 NUM_PER_KIND = 2
-NUM_NEGATIVES = 3 * NUM_PER_KIND
 KINDS = ("retrieve", "replace", "confuse")
-FILE_SUFFIX = "_neg_tfidf6.json"  # official: f"{split}_{neg_name}.json", neg_name "neg_tfidf6"
 NEIGHBOURS = 32  # retrieve-ranked captions kept per pair (fallbacks and subject donors)
 DONOR_CHOICES = 10
 REPLACE_TRIES = 12
 TIE_DECIMALS = 6
 CLEVR_STYLE = ("synthetic", "clevr_change", "clevr_dc")
-
-
-class NegativesFileError(ValueError):
-    """A hard-negatives file that is missing keys or has values of the wrong type or shape."""
 
 
 class HardNegativeError(RuntimeError):
@@ -674,11 +678,6 @@ def _classes_summary(classes: wc.WordClasses) -> dict[str, Any]:
     }
 
 
-def negatives_path(directory: str | os.PathLike, split: str) -> Path:
-    """``<directory>/<split>_neg_tfidf6.json``, the official file name."""
-    return Path(directory) / f"{split}{FILE_SUFFIX}"
-
-
 def write_negatives(records: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
     """One JSON object per line, written atomically."""
     from changecap_jax.jsonio import atomic_write
@@ -723,119 +722,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         for reason, n in s["skipped"].items():
             lines.append(f"  skipped {n}: {reason}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- reader
-
-
-@dataclasses.dataclass(frozen=True)
-class NegativeRecord:
-    """One pair of a hard-negatives file (ours or the authors')."""
-
-    img1: str
-    img2: str
-    sentences: tuple[str, ...]
-    negatives: tuple[str, ...]
-    image_id: str  # the file's "image_id", else from img2 "<prefix>_<kind>_<id>"
-    semantic: bool | None  # img2's second "_" field, as IDC reads it; None if not named so
-    kinds: tuple[str, ...] | None = None  # our "neg_kinds"; None in the authors' files
-
-
-def _check_str(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise NegativesFileError(f"{where} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _check_str_list(value: Any, where: str, length: int | None) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise NegativesFileError(f"{where} must be a list of strings, got "
-                                 f"{type(value).__name__}")
-    if length is not None and len(value) != length:
-        raise NegativesFileError(f"{where} must hold {length} strings, got {len(value)}")
-    if not value:
-        raise NegativesFileError(f"{where} must not be empty")
-    return tuple(_check_str(v, f"{where}[{i}]") for i, v in enumerate(value))
-
-
-def _parse_record(obj: Any, where: str, num_negatives: int | None) -> NegativeRecord:
-    if not isinstance(obj, dict):
-        raise NegativesFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("img1", "img2", "sentences", "neg_samples"):
-        if key not in obj:
-            raise NegativesFileError(f"{where}: missing key {key!r} (expected img1, img2, "
-                                     "sentences, neg_samples)")
-    img1 = _check_str(obj["img1"], f"{where}: 'img1'")
-    img2 = _check_str(obj["img2"], f"{where}: 'img2'")
-    sentences = obj["sentences"]
-    if isinstance(sentences, str):  # IDC's train files hold one sentence as a string
-        sentences = [sentences]
-    sentences = _check_str_list(sentences, f"{where}: 'sentences'", None)
-    negatives = _check_str_list(obj["neg_samples"], f"{where}: 'neg_samples'", num_negatives)
-    kinds = None
-    if "neg_kinds" in obj:
-        kinds = _check_str_list(obj["neg_kinds"], f"{where}: 'neg_kinds'", len(negatives))
-    fields = img2.split("_", 2)
-    named = len(fields) == 3 and fields[1] in ("semantic", "nonsemantic")
-    image_id = fields[2] if named else f"{img1}_{img2}"
-    if "image_id" in obj:
-        image_id = _check_str(obj["image_id"], f"{where}: 'image_id'")
-    return NegativeRecord(img1, img2, sentences, negatives, image_id,
-                          fields[1] == "semantic" if named else None, kinds)
-
-
-def load_negatives(
-    path: str | os.PathLike, *, num_negatives: int | None = NUM_NEGATIVES
-) -> list[NegativeRecord]:
-    """Reads a ``*_neg_tfidf6.json`` file: ours or the authors' (JSON lines; a JSON array of
-    the same objects is accepted too). Every record needs ``img1``, ``img2`` (strings),
-    ``sentences`` (a string or a list of strings) and ``neg_samples`` (``num_negatives``
-    strings; None: any number >= 1). Errors name the file, the line and the key."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"hard-negatives file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    items: list[tuple[str, Any]] = []
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise NegativesFileError(f"{path}: not valid JSON: {e}") from e
-        items = [(f"{path}: record {i}", obj) for i, obj in enumerate(data)]
-    else:
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                items.append((f"{path}: line {n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise NegativesFileError(f"{path}: line {n}: not valid JSON: {e}") from e
-    if not items:
-        raise NegativesFileError(f"{path}: holds no records")
-    records, seen = [], {}
-    for where, obj in items:
-        rec = _parse_record(obj, where, num_negatives)
-        pair = (rec.img1, rec.img2)
-        if pair in seen:
-            raise NegativesFileError(f"{where}: pair img1={rec.img1!r} img2={rec.img2!r} "
-                                     f"repeats {seen[pair]}")
-        seen[pair] = where
-        records.append(rec)
-    return records
-
-
-def negatives_by_pair(
-    records: Iterable[NegativeRecord],
-) -> dict[tuple[str, bool | None], tuple[str, ...]]:
-    """(image_id, semantic) -> negatives, the lookup a data pipeline needs."""
-    out: dict[tuple[str, bool | None], tuple[str, ...]] = {}
-    for rec in records:
-        key = (rec.image_id, rec.semantic)
-        if key in out:
-            raise NegativesFileError(f"two records for image_id {rec.image_id!r} "
-                                     f"(semantic={rec.semantic})")
-        out[key] = rec.negatives
-    return out
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -593,7 +593,8 @@ class IDCPCL(nn.Module):
             ids, labels = masked[stream]
             out = self.finetune(batch["before"], batch[after_key], ids, train=train)
             logits[stream], targets[stream] = out.mlm_logits, labels
-            ce, _ = _token_ce(out.distractor_logits, jnp.full((local_b,), label, jnp.int32))
+            ce, _ = token_cross_entropy(out.distractor_logits,
+                                        jnp.full((local_b,), label, jnp.int32))
             distractor_ce.append(jnp.sum(ce))
         aux = {}
         if len(self.streams) > 1:  # with semantic pairs only there is nothing to classify
@@ -727,7 +728,7 @@ class IDCPCL(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def _token_ce(logits: Array, labels: Array) -> tuple[Array, Array]:
+def token_cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
     """Per-position CE (0 where label == -1) and the keep mask."""
     keep = labels != -1
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -737,7 +738,7 @@ def _token_ce(logits: Array, labels: Array) -> tuple[Array, Array]:
 
 def pretrain_mlm_loss(mlm_logits: Array, labels: Array) -> Array:
     """§5.3 MLM: mean CE over every labelled (label != -1) text token of the batch."""
-    ce, keep = _token_ce(mlm_logits, labels)
+    ce, keep = token_cross_entropy(mlm_logits, labels)
     return jnp.sum(ce) / jnp.sum(keep)
 
 
@@ -746,39 +747,48 @@ def finetune_loss(
 ) -> tuple[Array, Array]:
     """§5.4 / I-Q10: (sum of the per-token MLM CE, sum of the per-sample distractor CE); the
     official loss is their sum, NOT a mean."""
-    ce, _ = _token_ce(mlm_logits, labels)
-    diff, _ = _token_ce(distractor_logits, distractor_labels)
+    ce, _ = token_cross_entropy(mlm_logits, labels)
+    diff, _ = token_cross_entropy(distractor_logits, distractor_labels)
     return jnp.sum(ce), jnp.sum(diff)
 
 
-def _normalize(x: Array) -> Array:
+def l2_normalize(x: Array) -> Array:
     """torch F.normalize: x / max(||x||, 1e-12)."""
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def mvcl_loss(
+def mvcl_row_losses(
     regressed: Array, img_mask: Array, img_label: Array, temperature: float = 1.0
-) -> Array:
+) -> tuple[Array, Array]:
     """§5.3 MVCL with static shapes: row r (a masked region) scores p_r against the true
     features y of EVERY masked region of the batch and the predictions n at every unmasked
-    region; CE with target y_r, mean over the masked regions. regressed / img_label
-    (B, 2N, C), img_mask (B, 2N) bool, True = masked. nce_temp is 1.0 in the code (I-Q5)."""
+    region; its NCE is the CE with target y_r. regressed / img_label (B, 2N, C), img_mask
+    (B, 2N) bool, True = masked. Returns (the per-region NCE, 0 at unmasked regions, (B*2N,);
+    the flat mask). nce_temp is 1.0 in the code (I-Q5)."""
     c = regressed.shape[-1]
-    pred = _normalize(regressed.reshape(-1, c).astype(jnp.float32))
-    true = _normalize(img_label.reshape(-1, c).astype(jnp.float32))
+    pred = l2_normalize(regressed.reshape(-1, c).astype(jnp.float32))
+    true = l2_normalize(img_label.reshape(-1, c).astype(jnp.float32))
     masked = img_mask.reshape(-1).astype(bool)
     pos_block = jnp.where(masked[None, :], pred @ true.T, -jnp.inf)
     neg_block = jnp.where(~masked[None, :], pred @ pred.T, -jnp.inf)
     logits = jnp.concatenate([pos_block, neg_block], 1) / temperature
     positive = jnp.sum(pred * true, axis=-1) / temperature
     per_row = jax.nn.logsumexp(logits, axis=-1) - positive
-    return jnp.sum(jnp.where(masked, per_row, 0.0)) / jnp.sum(masked)
+    return jnp.where(masked, per_row, 0.0), masked
+
+
+def mvcl_loss(
+    regressed: Array, img_mask: Array, img_label: Array, temperature: float = 1.0
+) -> Array:
+    """§5.3 MVCL: the mean of :func:`mvcl_row_losses` over the masked regions."""
+    per_row, masked = mvcl_row_losses(regressed, img_mask, img_label, temperature)
+    return jnp.sum(per_row) / jnp.sum(masked)
 
 
 def fda_loss(visual: Array, text_cls: Array, group: int = 7, temperature: float = 1.0) -> Array:
     """§5.3 FDA: cosine(visual_k, text_k) per row; consecutive ``group`` rows (positive first)
     form one pair's logits / tmp; CE to 0, mean over pairs."""
-    sim = jnp.sum(_normalize(visual) * _normalize(text_cls), axis=-1).reshape(-1, group)
+    sim = jnp.sum(l2_normalize(visual) * l2_normalize(text_cls), axis=-1).reshape(-1, group)
     log_probs = jax.nn.log_softmax(sim / temperature, axis=-1)
     return -jnp.mean(log_probs[:, 0])
 

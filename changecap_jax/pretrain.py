@@ -1,0 +1,506 @@
+"""IDC-PCL pretraining: one task drawn per step (reference §5.3, §5.6).
+
+    python -m changecap_jax.main --config=configs/idc_pcl.py:pretrain[/DATASET] --workdir=P
+
+``main`` runs this for any config with a ``pretrain`` block; the fine-tuning preset then starts
+from it with ``--config.init_from=P`` (same ``checkpoints/`` layout, a ``state`` item).
+
+* Task draw (§5.3): update t (1-based) draws one of ``pretrain.tasks`` with probabilities
+  proportional to their weights in ``pretrain.task_ratio`` (one weight per task of
+  :data:`TASKS`, official 8:1:2; 9:1:2 for Birds-to-Words) from a numpy Generator seeded
+  [seed, t]: a function of (seed, t) alone, so every process draws the same task and a resumed
+  run draws what the uninterrupted run would have.
+* Data (§5.1, ``data/pretrain_samples.py``): one sample per image pair (semantic pairs and,
+  where the dataset has them, distractor pairs), each task with its own endless seeded grain
+  iterator (the official per-task loaders, restarted on exhaustion). A step reads the next
+  batch of the drawn task's iterator: ``batch_size`` examples' worth of pairs (batch_size x
+  streams samples) for MLM and MVCL, ``pretrain.fda_batch_size`` samples for FDA.
+* One jitted update per task (compiled once each), Adam with ``optim``'s schedule (noam in the
+  presets, §5.6). The losses run inside ``shard_map`` over the data axis and every reduction
+  spans the GLOBAL batch, so N devices compute one device's loss:
+
+  - ``mlm``: captions masked by ``idc_pcl.mask_caption`` (§5.1), each sample's key folded from
+    the step's "inputs" key and its GLOBAL index; mean CE over every labelled token of the
+    global batch (psum of sums / psum of counts) = ``idc_pcl.pretrain_mlm_loss``.
+  - ``mvcl``: per sample 15 % of one image's N regions (img1 or img2 with p = 0.5, at least
+    one) set to 0; a masked region's regressed feature is scored against the true features of
+    every masked region and the model's regressions at every unmasked region of the global
+    batch (``all_gather`` over the data axis), CE to its own target; psum of the row losses
+    over the global masked-region count = ``idc_pcl.mvcl_loss``.
+  - ``fda``: each sample's caption, then its 6 hard negatives in file order, with the images
+    repeated per caption (groups of 7 stay on one device); CE of the positive among the 7
+    cosine similarities, mean over the global samples = ``idc_pcl.fda_loss``.
+* Checkpoints: the state and each task's iterator in one orbax Composite (the task draw needs
+  no counter), so a resumed run continues every stream exactly.
+* Validation every ``eval_every_steps``: each task's loss (MLM and FDA accuracy, FDA positive
+  and negative similarity) averaged over ``pretrain.val_batches`` fixed val batches with fixed
+  masks, to the MetricWriter, the log and ``metrics/pretrain_val_<step>.json``.
+
+Not as the official code: steps stop at ``num_train_steps`` (the official loop runs one more,
+global_step 0..250000), and each visit of a pair draws one of its captions (the official files
+hold one sample per sentence).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from changecap_jax import export, parallel, train
+from changecap_jax.data import negatives, pipeline
+from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
+from changecap_jax.metric_writer import MetricWriter
+from changecap_jax.models import idc_pcl
+
+TASKS = ("mlm", "mvcl", "fda")
+REGION_MASK_PROBABILITY = 0.15  # §5.1 MVM masking
+VAL_FOLD = 0x7A11  # validation masks come from fold_in(fold_in(seed key, VAL_FOLD), batch)
+VAL_SEED = 0  # the val batches' shuffle: the same batches at every validation
+
+
+class PretrainError(ValueError):
+    """A pretraining config or input that cannot work (names the field or the file)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Task draw (§5.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def task_probabilities(tasks: tuple[str, ...], ratio: tuple[float, ...]) -> np.ndarray:
+    """Probabilities of the enabled ``tasks`` from ``ratio``, one weight per task of
+    :data:`TASKS` (the weights of disabled tasks are ignored)."""
+    tasks, ratio = tuple(tasks), tuple(ratio)
+    if not tasks or len(set(tasks)) != len(tasks) or set(tasks) - set(TASKS):
+        raise PretrainError(f"config.pretrain.tasks {tasks} must be distinct tasks among "
+                            f"{TASKS}, e.g. ('mlm',), ('mlm', 'mvcl') (Table 4)")
+    if len(ratio) != len(TASKS):
+        raise PretrainError(f"config.pretrain.task_ratio {ratio} must hold one weight per task "
+                            f"of {TASKS} (official (8, 1, 2)), got {len(ratio)}")
+    weights = np.array([float(ratio[TASKS.index(t)]) for t in tasks])
+    if not np.all(np.isfinite(weights) & (weights > 0)):
+        raise PretrainError(f"config.pretrain.task_ratio {ratio}: every enabled task {tasks} "
+                            "needs a positive weight (disable a task with pretrain.tasks)")
+    return weights / weights.sum()
+
+
+def draw_task(seed: int, step: int, tasks: tuple[str, ...], probabilities: np.ndarray) -> str:
+    """The task of update ``step``: a function of (seed, step) only, equal on every process."""
+    rng = np.random.default_rng([seed, step])
+    return tasks[int(rng.choice(len(tasks), p=probabilities))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample inputs (§5.1, §5.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_keys(key: jax.Array, index: jax.Array) -> jax.Array:
+    """One key per sample from its GLOBAL index, so masks do not depend on the device count."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
+
+
+def region_mask(key: jax.Array, num_regions: int,
+                probability: float = REGION_MASK_PROBABILITY) -> jax.Array:
+    """§5.1 MVM mask (2N,) bool, True = masked: each region with ``probability`` (one at random
+    when none was drawn), on img1 with p = 0.5, else on img2."""
+    k_pick, k_one, k_side = jax.random.split(key, 3)
+    region = jax.random.uniform(k_pick, (num_regions,)) < probability
+    one = jnp.arange(num_regions) == jax.random.randint(k_one, (), 0, num_regions)
+    region = jnp.where(jnp.any(region), region, one)
+    first = jax.random.uniform(k_side) < 0.5
+    return jnp.concatenate([region & first, region & ~first])
+
+
+def fda_rows(img1: jax.Array, img2: jax.Array, ids: jax.Array,
+             negative_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """§5.3 FDA layout: sample i gives rows i*G .. i*G+G-1 (G = 1 + K): its caption, then its
+    K negatives in file order, each with the sample's images (repeated, interleaved)."""
+    captions = jnp.concatenate([ids[:, None], negative_ids], 1)  # (S, G, L)
+    group = captions.shape[1]
+    return (jnp.repeat(img1, group, 0), jnp.repeat(img2, group, 0),
+            captions.reshape(-1, captions.shape[-1]))
+
+
+def _tokens(x: jax.Array) -> jax.Array:
+    x = jnp.asarray(x, jnp.float32)
+    return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses over the GLOBAL batch (inside shard_map; §5.3)
+# ---------------------------------------------------------------------------------------------
+
+
+def _global_mean(total: jax.Array, count: jax.Array, axis: str) -> jax.Array:
+    return jax.lax.psum(total, axis) / jax.lax.psum(count, axis)
+
+
+def _mlm(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
+         axis: str) -> dict[str, jax.Array]:
+    mask = functools.partial(
+        idc_pcl.mask_caption, eos_id=model.eos_id, mask_id=model.mask_token,
+        num_tokens=model.num_tokens, word_probability=model.word_mask_probability,
+        eos_probability=model.eos_mask_probability)
+    ids, labels = jax.vmap(mask)(keys, jnp.asarray(batch["ids"], jnp.int32))
+    logits = forward(batch["img1"], batch["img2"], ids).mlm_logits
+    ce, keep = idc_pcl.token_cross_entropy(logits, labels)
+    hit = (jnp.argmax(logits, -1) == labels) & keep
+    return {"loss": _global_mean(jnp.sum(ce), jnp.sum(keep), axis),
+            "accuracy": _global_mean(jnp.sum(hit), jnp.sum(keep), axis)}
+
+
+def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
+          axis: str) -> dict[str, jax.Array]:
+    del model
+    t1, t2 = _tokens(batch["img1"]), _tokens(batch["img2"])
+    n, c = t1.shape[1], t1.shape[2]
+    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(keys)  # (s, 2N)
+    out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
+                  batch["ids"])
+    pred = idc_pcl.l2_normalize(out.regressed.astype(jnp.float32))  # (s, 2N, C)
+    true = idc_pcl.l2_normalize(jnp.concatenate([t1, t2], 1))
+    # A sample's masked regions lie on one image: its N regions are the only candidate rows
+    # (half the work of scoring all 2N), and their true features the only positive columns.
+    first = jnp.any(mask[:, :n], -1)
+
+    def masked_image(x: jax.Array) -> jax.Array:
+        side = first.reshape(-1, *([1] * (x.ndim - 1)))
+        return jnp.where(side, x[:, :n], x[:, n:]).reshape(-1, *x.shape[2:])
+
+    rows, row_true, row_masked = masked_image(pred), masked_image(true), masked_image(mask)
+    # Columns span the GLOBAL batch: every masked region's true feature, and the model's
+    # regression at every unmasked region (the official negatives, §5.3).
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
+    true_cols, true_ok = gather(row_true), gather(row_masked)
+    pred_cols, pred_ok = gather(pred.reshape(-1, c)), ~gather(mask.reshape(-1))
+    logits = jnp.concatenate([jnp.where(true_ok[None], rows @ true_cols.T, -jnp.inf),
+                              jnp.where(pred_ok[None], rows @ pred_cols.T, -jnp.inf)], 1)
+    per_row = jax.nn.logsumexp(logits, -1) - jnp.sum(rows * row_true, -1)  # nce_temp 1 (I-Q5)
+    return {"loss": _global_mean(jnp.sum(jnp.where(row_masked, per_row, 0.0)),
+                                 jnp.sum(row_masked), axis)}
+
+
+def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, jax.Array]:
+    img1, img2, captions = fda_rows(batch["img1"], batch["img2"], batch["ids"],
+                                    batch["negatives"])
+    out = forward(img1, img2, captions)
+    samples = batch["ids"].shape[0]
+    sim = jnp.sum(idc_pcl.l2_normalize(out.visual) * idc_pcl.l2_normalize(out.text_cls),
+                  -1).reshape(samples, -1)  # (s, 1 + K), the positive first
+    log_probs = jax.nn.log_softmax(sim / temperature, -1)
+    count = jnp.float32(samples)
+    return {"loss": _global_mean(-jnp.sum(log_probs[:, 0]), count, axis),
+            "accuracy": _global_mean(jnp.sum(jnp.argmax(sim, -1) == 0), count, axis),
+            "positive_similarity": _global_mean(jnp.sum(sim[:, 0]), count, axis),
+            "negative_similarity": _global_mean(jnp.sum(sim[:, 1:]),
+                                                count * (sim.shape[1] - 1), axis)}
+
+
+def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: bool = True,
+                   fda_temperature: float = 1.0) -> Any:
+    """(params, global batch, rng) -> (loss, metrics) of one task over the GLOBAL batch.
+
+    ``rng`` is the step's key: the masks use ``fold_in(rng, train.INPUTS_FOLD)`` folded with
+    each sample's global index, dropout ``fold_in(rng, device index)`` (as the trunk)."""
+    if task not in TASKS:
+        raise PretrainError(f"unknown pretraining task {task!r}; tasks: {TASKS}")
+    axis = parallel.DATA_AXIS
+
+    def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        local = batch["ids"].shape[0]
+        device = jax.lax.axis_index(axis)
+        keys = sample_keys(jax.random.fold_in(rng, train.INPUTS_FOLD),
+                           device * local + jnp.arange(local))
+        dropout = jax.random.fold_in(rng, device)
+
+        def forward(img1: jax.Array, img2: jax.Array, ids: jax.Array) -> Any:
+            return model.apply({"params": params}, img1, img2, ids, train=train_mode,
+                               rngs={"dropout": dropout}, method="pretrain")
+
+        if task == "fda":
+            metrics = _fda(forward, batch, axis, fda_temperature)
+        else:
+            metrics = (_mlm if task == "mlm" else _mvcl)(model, forward, batch, keys, axis)
+        return metrics["loss"], metrics
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P()),
+                         out_specs=(P(), P()), check_vma=False)
+
+
+def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, schedule: Any,
+                   *, fda_temperature: float = 1.0, with_grads: bool = False) -> Any:
+    """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
+    gradients with ``with_grads``, for tests). Keys as the trunk: fold_in(state.rng, step)."""
+    loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature)
+
+    def step(state: train.TrainState, batch: dict) -> tuple:
+        rng = jax.random.fold_in(state.rng, state.step)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, batch, rng)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        metrics["learning_rate"] = schedule(state.step)
+        state = state.replace(step=state.step + 1, opt_state=opt_state,
+                              params=optax.apply_updates(state.params, updates))
+        return (state, metrics, grads) if with_grads else (state, metrics)
+
+    repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+    return jax.jit(step, donate_argnums=0, in_shardings=(repl, data),
+                   out_shardings=(repl,) * (3 if with_grads else 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def negatives_command(dataset: ml_collections.ConfigDict) -> str:
+    """The command that writes a dataset's hard-negatives files."""
+    parts = ["python -m data_prep.hard_negatives", f"--dataset={dataset.name}"]
+    if dataset.get("data_dir"):
+        parts.append(f"--data_dir={dataset.data_dir}")
+    if dataset.get("variant"):
+        parts.append(f"--variant={dataset.variant}")
+    for key, value in dict(dataset.get("options", {})).items():
+        if isinstance(value, (tuple, list)):
+            value = ",".join(str(v) for v in value)
+        parts.append(f"--option={key}={value}")
+    return " ".join(parts)
+
+
+class PretrainTrainer(train.Trainer):
+    """Pretraining on the trunk's dataset, model builder, optimiser, mesh and checkpoints
+    (module docstring)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path,
+                 mesh: Any | None = None):
+        if "pretrain" not in config:
+            raise PretrainError("the config has no pretrain block (configs/idc_pcl.py:pretrain)")
+        pre = config.pretrain
+        # Config errors first: they need neither the dataset nor the model.
+        self.tasks = tuple(pre.tasks)
+        self.probabilities = task_probabilities(self.tasks, tuple(pre.task_ratio))
+        if config.model.get("stage") != "pretrain":
+            raise PretrainError("pretraining needs config.model.stage = 'pretrain', got "
+                                f"{config.model.get('stage')!r}")
+        super().__init__(config, workdir, mesh=mesh)
+        self.streams = self.model.streams
+        pairs = config.batch_size * len(self.streams)
+        self.batch_sizes = {t: int(pre.fda_batch_size) if t == "fda" else pairs
+                            for t in self.tasks}
+        devices = self.mesh.devices.size
+        for task, size in self.batch_sizes.items():
+            if size <= 0 or size % devices:
+                what = ("config.pretrain.fda_batch_size" if task == "fda"
+                        else "config.batch_size x pair streams")
+                raise PretrainError(f"{what} = {size} samples of task {task!r} must be a "
+                                    f"positive multiple of the {devices} devices")
+        self.val_batches = int(pre.get("val_batches", 0))
+        self.negatives: dict[str, Any] = {}
+        if "fda" in self.tasks:  # read now: a missing file fails before any compilation
+            for split in ("train", "val") if self.val_batches > 0 else ("train",):
+                self.negatives[split] = self.load_negatives(split)
+        temperature = float(pre.get("fda_temperature", 1.0))
+        self.task_steps = {t: make_task_step(self.model, t, self.optimizer, self.mesh,
+                                             self.schedule, fda_temperature=temperature)
+                           for t in self.tasks}
+        self.task_losses = {t: jax.jit(make_task_loss(
+            self.model, t, self.mesh, train_mode=False, fda_temperature=temperature))
+            for t in self.tasks}
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def negatives_path(self, split: str) -> Path:
+        return negatives.negatives_path(self.dataset.directory, split)
+
+    def load_negatives(self, split: str) -> dict:
+        """(image_id, semantic) -> negatives of ``split``, from the dataset's directory."""
+        path = self.negatives_path(split)
+        if not path.exists():
+            raise PretrainError(
+                f"{path} does not exist: the fda task reads each pair's hard negatives from "
+                f"it. Make them with: {negatives_command(self.config.dataset)} (or leave fda "
+                "out of config.pretrain.tasks)")
+        return negatives.negatives_by_pair(negatives.load_negatives(path))
+
+    def samples(self, task: str, split: str) -> PairSamples:
+        fda = task == "fda"
+        return PairSamples(self.dataset.split(split), self.streams,
+                           negatives=self.negatives[split] if fda else None,
+                           vocab=self.dataset.vocab, origin=str(self.negatives_path(split)))
+
+    def task_loader(self, task: str) -> grain.DataLoader:
+        # Each task shuffles on its own, as the official per-task DataLoaders.
+        seed = int(np.random.SeedSequence([self.config.seed, TASKS.index(task)])
+                   .generate_state(1)[0])
+        return sample_loader(self.samples(task, "train"),
+                             global_batch_size=self.batch_sizes[task], seed=seed,
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count())
+
+    # -- state and checkpoints ----------------------------------------------------------------
+
+    def init_state(self) -> train.TrainState:
+        """Fresh parameters and optimiser state, replicated (compiled once per trainer)."""
+        return self._init()
+
+    @functools.cached_property
+    def _init(self) -> Any:
+        sample = self.samples("mlm", "train")[0]
+        img = np.asarray(sample["img1"]).shape
+        length = np.asarray(sample["captions"]).shape[-1]
+        init_rng = jax.random.fold_in(self.rng, train.INIT_FOLD)
+
+        @functools.partial(jax.jit, out_shardings=parallel.replicated(self.mesh))
+        def init() -> train.TrainState:
+            params = self.model.init(
+                {"params": init_rng}, jnp.zeros((1, *img), jnp.float32),
+                jnp.zeros((1, *img), jnp.float32), jnp.zeros((1, length), jnp.int32),
+                method="pretrain")["params"]
+            return train.TrainState(step=jnp.int32(0), params=params,
+                                    opt_state=self.optimizer.init(params), rng=self.rng)
+
+        return init
+
+    def checkpoint_manager(self) -> ocp.CheckpointManager:
+        # The state (what fine-tuning's init_from reads) and one data iterator per task.
+        return train.make_checkpoint_manager(
+            self.workdir / "checkpoints", self.config.keep_checkpoints,
+            ("state", *(f"data_{t}" for t in self.tasks)))
+
+    def save(self, manager: ocp.CheckpointManager, step: int, state: train.TrainState,
+             iterators: dict[str, Any]) -> None:
+        items = {f"data_{t}": grain.checkpoint.CheckpointSave(it) for t, it in iterators.items()}
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), **items))
+
+    def restore_all(self, manager: ocp.CheckpointManager, state: train.TrainState,
+                    iterators: dict[str, Any]) -> train.TrainState:
+        step = manager.latest_step()
+        args = {"state": ocp.args.StandardRestore(state)}
+        for task, iterator in iterators.items():
+            if (Path(manager.directory) / str(step) / f"data_{task}").exists():
+                args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
+            else:  # a task enabled since that checkpoint was written
+                logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
+        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        logging.info("restored pretraining checkpoint of step %d", step)
+        return restored["state"]
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def validate(self, state: train.TrainState, step: int) -> dict[str, float]:
+        """Each task's metrics averaged over ``val_batches`` val batches; the same batches and
+        masks at every validation."""
+        results: dict[str, float] = {}
+        if self.val_batches <= 0:
+            return results
+        devices = self.mesh.devices.size
+        key = jax.random.fold_in(self.rng, VAL_FOLD)
+        for task in self.tasks:
+            samples = self.samples(task, "val")
+            # The training batch, or what a small val split holds (a multiple of the devices).
+            size = min(self.batch_sizes[task], len(samples) // devices * devices)
+            if size == 0:
+                raise PretrainError(f"the val split has {len(samples)} pairs, fewer than the "
+                                    f"{devices} devices; set config.pretrain.val_batches=0")
+            loader = sample_loader(samples, global_batch_size=size, seed=VAL_SEED,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+            values: dict[str, list[float]] = {}
+            for k, batch in zip(range(self.val_batches), loader, strict=False):
+                _, metrics = self.task_losses[task](
+                    state.params, pipeline.to_global(batch, self.data_sharding),
+                    jax.random.fold_in(key, k))
+                for name, v in jax.device_get(metrics).items():
+                    values.setdefault(name, []).append(float(v))
+            results.update({f"val/{task}_{n}": float(np.mean(v)) for n, v in values.items()})
+        if self.is_main:
+            logging.info("pretraining val @ step %d: %s", step, json.dumps(results))
+            out = self.workdir / "metrics"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"pretrain_val_{step}.json").write_text(json.dumps(results, indent=1))
+        return results
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _window_scalars(self, window: dict[str, list], step: int) -> dict[str, float]:
+        """Each task's metrics averaged over its steps since the last log."""
+        scalars: dict[str, float] = {}
+        for task, entries in window.items():
+            if not entries:
+                continue
+            fetched = jax.device_get(entries)
+            scalars.update({f"{task}/{name}": float(np.mean([m[name] for m in fetched]))
+                            for name in fetched[0] if name != "learning_rate"})
+            scalars["learning_rate"] = float(fetched[-1]["learning_rate"])
+            scalars[f"{task}/steps"] = float(len(entries))
+            if not np.isfinite(scalars[f"{task}/loss"]):
+                raise train.NonFiniteLossError(
+                    f"non-finite {task} loss {scalars[f'{task}/loss']} before step {step}")
+        return scalars
+
+    def train(self) -> dict[str, float]:
+        """Runs (or resumes) pretraining; returns the last validation's metrics."""
+        config = self.config
+        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main,
+                              scalars_file=self.workdir / train.SCALARS_FILE)
+        export.save_config(self.workdir, config)
+        manager = self.checkpoint_manager()
+        state = self.init_state()
+        iterators = {t: iter(self.task_loader(t)) for t in self.tasks}
+        if manager.latest_step() is not None:
+            state = self.restore_all(manager, state, iterators)
+        elif config.get("init_from", ""):
+            state = state.replace(params=train.init_params_from(
+                state.params, config.init_from, tuple(config.get("init_exclude", ()))))
+        start, total = int(state.step), self.total_train_steps
+        if self.is_main:
+            n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+            logging.info("pretraining %s: %d parameters, tasks %s with probabilities %s, "
+                         "samples per step %s; starting at step %d", config.model.name,
+                         n_params, self.tasks, np.round(self.probabilities, 4).tolist(),
+                         self.batch_sizes, start)
+        bar = tqdm(total=total, initial=start, disable=not self.is_main, desc="pretrain",
+                   dynamic_ncols=True)
+        last: dict[str, float] = {}
+        window: dict[str, list] = {t: [] for t in self.tasks}
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(start + 1, total + 1):
+            task = draw_task(config.seed, step, self.tasks, self.probabilities)
+            batch = pipeline.to_global(next(iterators[task]), self.data_sharding)
+            state, metrics = self.task_steps[task](state, batch)
+            window[task].append(metrics)
+            window_steps += 1
+            bar.update(1)
+            if step % config.log_every_steps == 0 or step == total:
+                scalars = self._window_scalars(window, step)
+                scalars["steps_per_second"] = window_steps / (time.perf_counter() - window_start)
+                writer.write_scalars(step, scalars)
+                self.history.append((step, scalars))
+                bar.set_postfix(task=task, loss=f"{scalars[f'{task}/loss']:.3f}")
+                window = {t: [] for t in self.tasks}
+                window_start, window_steps = time.perf_counter(), 0
+            if step % config.eval_every_steps == 0 or step == total:
+                last = self.validate(state, step)
+                if last:
+                    writer.write_scalars(step, last)
+            if step % config.checkpoint_every_steps == 0 or step == total:
+                self.save(manager, step, state, iterators)
+        bar.close()
+        manager.wait_until_finished()
+        writer.close()
+        return last
