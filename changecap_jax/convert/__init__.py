@@ -1,10 +1,13 @@
-"""Import official PyTorch checkpoints (SCORER / DIRL snapshots) into our orbax checkpoints.
+"""Import official PyTorch checkpoints (SCORER / DIRL snapshots, IDC-PCL state_dicts) into our
+orbax checkpoints.
 
     python -m changecap_jax.convert --config=configs/dirl.py:clevr_change \
         --torch_checkpoint=PATH.pt --workdir=DIR [--extra_params=PATH] [--missing=error|init]
+    python -m changecap_jax.convert --config=configs/idc_pcl.py:finetune/DATASET \
+        --torch_checkpoint=PATH.pt --dict_json=dict.json --workdir=DIR
 
 writes ``DIR/checkpoints/<step>`` that ``python -m changecap_jax.main --config=... --workdir=DIR
---mode=eval`` restores. Modules (``shared/reference/official_pytorch.md`` §1.1, §3.6, §4.5, §7):
+--mode=eval`` restores. Modules (``shared/reference/official_pytorch.md`` §1.1, §3.6, §4.5, §6, §7):
 
 * :mod:`.torch_checkpoint` — reading snapshots / state_dicts with torch (optional dependency);
 * :mod:`.mapping` — per-model key tables (torch key -> Flax path + transform), checks;

@@ -1,25 +1,34 @@
 """``python -m changecap_jax.convert``: official PyTorch snapshot -> orbax checkpoint.
 
-Supported models: DIRL+CCR (configs/dirl.py:clevr_change / clevr_dc) and SCORER+CBR
-(configs/scorer.py:clevr_change ...), e.g.
+Supported models: DIRL+CCR (configs/dirl.py:clevr_change / clevr_dc), SCORER+CBR
+(configs/scorer.py:clevr_change ...) and IDC-PCL (configs/idc_pcl.py:finetune/DATASET), e.g.
 
     python -m changecap_jax.convert --config=configs/scorer.py:clevr_change \
         --torch_checkpoint=scorer_checkpoint_10000.pt --workdir=DIR --extra_params=cbr.pt
+    python -m changecap_jax.convert --config=configs/idc_pcl.py:finetune/clevr_change \
+        --torch_checkpoint=best_checkpoint.pt --dict_json=dataset_clver/dict.json --workdir=DIR
 
 (SCORER's CBR ``generator`` is never in the official snapshot: pass its state_dict with
---extra_params, or --missing=init to initialise it as the trainer does.)
+--extra_params, or --missing=init to initialise it as the trainer does. IDC-PCL takes the
+fine-tuning state_dict or the pretraining checkpoint {'global_step', 'model_state_dict',
+'task_batch_num'}; the latter is restored as finetune.py does (reference §5.4): every key but
+the pooler's, feat_regress.* dropped, the pooler initialised as the trainer does; with
+--config=configs/idc_pcl.py:pretrain/DATASET a pretraining checkpoint converts whole. Its token
+rows are reordered from the authors' dict.json to the built dataset's vocabulary.)
 
     --config=configs/MODEL.py[:PRESET]  the config the checkpoint will be used with (same flags as
                                         changecap_jax.main, e.g. --config.model.num_heads=8)
     --torch_checkpoint=PATH             official snapshot, e.g. dirl_ccr_clevr_change_checkpoint_
-                                        15000.pt (reference §3.6 / §4.5)
+                                        15000.pt (reference §3.6 / §4.5, IDC-PCL §6)
+    --dict_json=PATH                    IDC-PCL only (required): the authors' dict.json
     --workdir=DIR                       writes DIR/checkpoints/<step>; then run
                                         python -m changecap_jax.main --config=... --workdir=DIR
                                         --mode=eval
     --extra_params=PATH                 torch state_dict of parameters the snapshot lacks
                                         (SCORER's CBR, reference S-Q1)
     --missing=error|init                without --extra_params: fail (default) or initialise them
-    --step=N                            checkpoint step (default: the snapshot's iteration, else 0)
+    --step=N                            checkpoint step (default: the snapshot's iteration or
+                                        IDC-PCL's global_step, else 0)
     --allow_pickle                      full pickle for files the safe loaders refuse (trusted
                                         files only)
     --print_table                       print the key table (torch key -> Flax path) and exit
@@ -43,6 +52,8 @@ flags.DEFINE_string("extra_params", None, "torch state_dict of parameters the sn
                     "(SCORER: the CBR generator.state_dict()).")
 flags.DEFINE_enum("missing", "error", ["error", "init"],
                   "Parameters no file provides: fail, or initialise them as the trainer does.")
+flags.DEFINE_string("dict_json", None, "IDC-PCL: the authors' dict.json (word -> id) that "
+                    "the checkpoint's token rows follow.")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the snapshot's iteration, else 0).")
 flags.DEFINE_bool("allow_pickle", False, "Allow full pickle (trusted files only).")
 flags.DEFINE_bool("print_table", False, "Print the key table for the config and exit.")
@@ -58,18 +69,18 @@ def main(argv: list[str]) -> None:
     try:
         if FLAGS.print_table:
             spec = mapping.get_spec(config.model.name)
-            snapshot = converter.read_official_snapshot(FLAGS.torch_checkpoint,
-                                                        allow_pickle=FLAGS.allow_pickle)
-            dataset, _ = converter.open_dataset(config)
-            sizes = converter.resolve_sizes(
-                config, spec.sizes_from_states(config.model, snapshot.states), dataset)
+            snapshot = spec.read_snapshot(FLAGS.torch_checkpoint, allow_pickle=FLAGS.allow_pickle)
+            dataset, why = converter.open_dataset(config)
+            sizes = converter.checkpoint_sizes(config, spec, snapshot, dataset, why,
+                                               FLAGS.dict_json)
             print(mapping.format_table(spec.table(config.model, sizes)))
             return
         if not FLAGS.workdir:
             raise app.UsageError("--workdir is required")
         report = converter.convert_checkpoint(
             config, FLAGS.torch_checkpoint, FLAGS.workdir, extra_params=FLAGS.extra_params,
-            missing=FLAGS.missing, step=FLAGS.step, allow_pickle=FLAGS.allow_pickle)
+            missing=FLAGS.missing, step=FLAGS.step, allow_pickle=FLAGS.allow_pickle,
+            dict_json=FLAGS.dict_json)
     except (ConversionError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     print(report.summary())

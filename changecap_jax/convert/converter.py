@@ -2,24 +2,32 @@
 
 :func:`convert_checkpoint` (behind ``python -m changecap_jax.convert``):
 
-1. reads the snapshot (:mod:`.torch_checkpoint`; reference §3.6 / §4.5);
+1. reads the snapshot in the model's official format (:mod:`.torch_checkpoint`; reference
+   §3.6 / §4.5; IDC-PCL §6: the pretraining dict or the fine-tuning state_dict);
 2. checks that it is the model and decoder variant the config builds (:mod:`.mapping`);
 3. decides the data-dependent sizes: from the config's dataset when it is built (as the
    trainer would: vocabulary, feature grid, ``decode.max_len`` or the dataset's caption
-   length), and otherwise from the checkpoint's own shapes;
-4. checks every torch key against the model's key table (missing, unexpected or mis-shaped keys
-   and buffer values; one message names all of them, each with both shapes) and converts it
-   (§1.1, §7);
+   length), and otherwise from the checkpoint's own shapes. IDC-PCL needs the built dataset
+   and ``--dict_json``: its token rows are reordered from the authors' dict.json ids to the
+   dataset vocabulary (:func:`mapping.dict_json_token_rows`; dict.json words the dataset
+   lacks are dropped and counted in the summary);
+4. checks every torch key against the model's key table (missing, unexpected or mis-shaped keys,
+   buffer values and tied weights; one message names all of them, each with both shapes) and
+   converts it (§1.1, §7). Keys the table marks dropped are checked, not converted: an IDC-PCL
+   pretraining checkpoint is restored as finetune.py does (§5.4), without its pooler and
+   ``feat_regress.*``;
 5. takes parameters that the official checkpoint format lacks (SCORER's CBR, S-Q1) from
-   ``--extra_params`` or, with ``--missing=init``, from the trainer's own initialisation;
+   ``--extra_params`` or, with ``--missing=init``, from the trainer's own initialisation; those
+   the official restore leaves fresh (``ModelSpec.fresh_params``: the IDC-PCL fine-tuning
+   pooler from a pretraining checkpoint) get the trainer's initialisation without asking;
 6. checks the result against the Flax model's parameter tree and writes
    ``WORKDIR/checkpoints/<step>`` with the trainer's manager and items: ``state`` =
    ``TrainState(step, params, fresh Adam state, PRNGKey(config.seed))`` and, when the dataset is
    available, ``data`` = a fresh training iterator (so ``--mode=train`` can also fine-tune
    from it). The official snapshots hold no optimizer moments, so Adam starts from zero.
 
-``step`` is the snapshot's iteration when it says (a key of the dict, else the official file name
-``<exp>_checkpoint_<t>.pt``), else 0, unless given.
+``step`` is the snapshot's iteration when it says (a key of the dict such as IDC-PCL's
+``global_step``, else the official file name ``<exp>_checkpoint_<t>.pt``), else 0, unless given.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import numpy as np
 from changecap_jax import export
 from changecap_jax.convert import mapping
 from changecap_jax.convert.errors import ConversionError, KeyMismatchError
-from changecap_jax.convert.torch_checkpoint import (
+from changecap_jax.convert.torch_checkpoint import (  # noqa: F401 (read_official_snapshot)
     OfficialSnapshot,
     read_official_snapshot,
     read_state_dict,
@@ -67,6 +75,8 @@ class ConversionReport:
     num_params: int = 0
     from_extra_params: list[str] = dataclasses.field(default_factory=list)
     initialised: list[str] = dataclasses.field(default_factory=list)
+    fresh: list[str] = dataclasses.field(default_factory=list)  # ModelSpec.fresh_params
+    dropped: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # why -> keys
     saved_data_iterator: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -82,6 +92,21 @@ class ConversionReport:
         ]
         if self.from_extra_params:
             lines.append(f"from --extra_params: {len(self.from_extra_params)} tensors")
+        for why, keys in self.dropped.items():
+            lines.append(f"read and checked, not converted ({why}): {', '.join(keys)}")
+        if self.fresh:
+            lines.append(f"freshly initialised as the trainer does (the official restore "
+                         f"leaves them fresh): {', '.join(self.fresh)}")
+        if s.token_rows is not None:
+            t = s.token_rows
+            lines.append(f"token rows reordered from {t.origin} ({t.checkpoint_rows} ids) to the "
+                         f"model's {len(t.rows)} rows in the dataset vocabulary's order")
+            if t.dropped:
+                lines.append(
+                    f"dropped {len(t.dropped)} tokens of {t.origin} that the dataset vocabulary "
+                    f"lacks (e.g. {', '.join(t.dropped[:5])}): a greedy caption changes only "
+                    "where one of them would have been the argmax; softmax probabilities and "
+                    "losses are normalised without them")
         if self.initialised:
             lines.append(f"initialised (--missing=init), not in the checkpoint: "
                          f"{', '.join(self.initialised)}")
@@ -125,6 +150,31 @@ def resolve_sizes(
         origin=f"the config's dataset {dataset.name!r}")
 
 
+def checkpoint_sizes(config: ml_collections.ConfigDict, spec: mapping.ModelSpec,
+                     snapshot: OfficialSnapshot, dataset: Any | None, why: str | None,
+                     dict_json: str | os.PathLike[str] | None = None) -> mapping.Sizes:
+    """What the key table depends on: :func:`resolve_sizes`, the checkpoint's stage and, for a
+    model whose checkpoints follow another vocabulary file (IDC-PCL), the token order from
+    ``dict_json`` and the dataset vocabulary (both required)."""
+    found = spec.sizes_from_states(config.model, snapshot.states)
+    sizes = dataclasses.replace(resolve_sizes(config, found, dataset),
+                                checkpoint_stage=snapshot.stage)
+    if spec.token_rows is None:
+        if dict_json is not None:
+            raise ConversionError(f"--dict_json is only read for models whose checkpoints "
+                                  f"follow a vocabulary file ({spec.title} does not)")
+        return sizes
+    if dict_json is None:
+        raise ConversionError(f"{spec.title} checkpoints number their tokens by the authors' "
+                              "dict.json: pass it with --dict_json=PATH")
+    if dataset is None:
+        raise ConversionError(
+            f"the config's dataset is not available ({why}); converting {spec.title} needs its "
+            "vocabulary to reorder the token rows from dict.json")
+    rows = spec.token_rows(config.model, dataset.vocab, dict_json, found.vocab_size)
+    return dataclasses.replace(sizes, token_rows=rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # Parameters
 # ---------------------------------------------------------------------------------------------
@@ -139,11 +189,14 @@ def build_model(config: ml_collections.ConfigDict, sizes: mapping.Sizes) -> Any:
 def init_params(config: ml_collections.ConfigDict, model: Any, spec: mapping.ModelSpec,
                 sizes: mapping.Sizes, *, abstract: bool) -> dict[str, Any]:
     """The model's parameters (shapes only when ``abstract``), drawn as Trainer.init_state."""
-    batch = spec.example_batch(model, sizes)
+    if spec.init_inputs is None:
+        args, kwargs = (spec.example_batch(model, sizes),), {"train": False}
+    else:
+        args, kwargs = spec.init_inputs(model, sizes)
     from changecap_jax.train import INIT_FOLD  # the trainer's own initialisation key
 
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed), INIT_FOLD)
-    init = lambda: model.init({"params": key}, batch, train=False)["params"]  # noqa: E731
+    init = lambda: model.init({"params": key}, *args, **kwargs)["params"]  # noqa: E731
     return jax.eval_shape(init) if abstract else jax.jit(init)()
 
 
@@ -210,7 +263,9 @@ def convert_params(
         raise ConversionError(f"the key table of {spec.name!r} does not match the Flax model "
                               "(a bug in changecap_jax/convert/mapping.py):\n  "
                               + "\n  ".join(internal))
-    absent = sorted(set(abstract) - set(converted))
+    fresh_by_design = set(spec.fresh_params(config.model, sizes))
+    fresh = sorted((set(abstract) & fresh_by_design) - set(converted))
+    absent = sorted(set(abstract) - set(converted) - fresh_by_design)
     if absent:
         not_given = [s for s in unofficial if s.name not in extra_states]
         detail = "".join(
@@ -223,12 +278,17 @@ def convert_params(
             raise ConversionError(message + "\nPass them with --extra_params=PATH (a torch "
                                   "state_dict) or initialise them with --missing=init.")
         logging.warning("%s; initialising them (--missing=init)", message)
-        fresh = _flat(init_params(config, model, spec, sizes, abstract=False))
-        for path in absent:
-            converted[path] = np.asarray(fresh[path])
+    if absent or fresh:  # the trainer's own initialisation
+        initial = _flat(init_params(config, model, spec, sizes, abstract=False))
+        for path in absent + fresh:
+            converted[path] = np.asarray(initial[path])
     if report is not None:
         report.converted_keys = sum(1 for e in entries if e.targets and e.source in sources)
-        report.buffers_checked = [e.name for e in entries if not e.targets]
+        report.buffers_checked = [e.name for e in entries if not e.targets and not e.dropped]
+        for e in entries:
+            if e.dropped:
+                report.dropped.setdefault(e.dropped, []).append(e.key)
+        report.fresh = fresh
         report.num_params = int(sum(v.size for v in converted.values()))
         report.from_extra_params = [e.name for e in entries if e.source in extra_states]
         report.initialised = absent
@@ -268,8 +328,10 @@ def convert_checkpoint(
     missing: str = "error",
     step: int | None = None,
     allow_pickle: bool = False,
+    dict_json: str | os.PathLike[str] | None = None,
 ) -> ConversionReport:
-    """Converts an official snapshot into ``workdir/checkpoints/<step>`` (module docstring).
+    """Converts an official snapshot into ``workdir/checkpoints/<step>`` (module docstring);
+    ``dict_json``: the authors' vocabulary file, required for IDC-PCL.
 
     Raises:
       ConversionError (and its subclasses) for every problem with the inputs; the message
@@ -279,10 +341,10 @@ def convert_checkpoint(
     from changecap_jax.data import pipeline
 
     spec = mapping.get_spec(config.model.name)
-    snapshot = read_official_snapshot(torch_checkpoint, allow_pickle=allow_pickle)
+    snapshot = spec.read_snapshot(torch_checkpoint, allow_pickle=allow_pickle)
     spec.check_identity(config.model, snapshot.states, snapshot.model_cfg)
     dataset, why = open_dataset(config)
-    sizes = resolve_sizes(config, spec.sizes_from_states(config.model, snapshot.states), dataset)
+    sizes = checkpoint_sizes(config, spec, snapshot, dataset, why, dict_json)
     report = ConversionReport(
         checkpoint=str(torch_checkpoint), model=spec.name,
         variant=config.model.get("variant"), sizes=sizes,
@@ -321,7 +383,10 @@ def convert_checkpoint(
                 f"{directory} already holds checkpoints (steps {list(manager.all_steps())}); "
                 "convert into an empty workdir")
         items = {"state": ocp.args.StandardSave(state)}
-        if dataset is not None:
+        if "pretrain" in config:  # the pretraining trainer keeps one stream per task
+            report.notes.append("no data iterator saved: pretraining starts its task streams "
+                                "fresh when it resumes from this checkpoint")
+        elif dataset is not None:
             try:
                 import grain
 

@@ -19,8 +19,14 @@ the conversion rules of ``shared/reference/official_pytorch.md`` §1.1:
 Each model registers a :class:`ModelSpec` in :data:`SPECS` under its ``config.model.name``:
 its table builder, how to read its sizes from a snapshot, how to recognise its snapshots, and
 an example batch for shape inference. Supported: DIRL+CCR (Appendix B, both decoder variants of
-§4.2 / §4.5) and SCORER+CBR (Appendix A). SCORER's CBR is a third, non-official
-:class:`Source` ``"generator"`` (reference S-Q1: never in the official snapshot); the converter
+§4.2 / §4.5), SCORER+CBR (Appendix A) and IDC-PCL (§6, Appendix C: its own file format, the
+custom LayerNorm's ``a_2`` / ``b_2`` copied, the ``position_encoding.pe`` buffer checked, the
+tied ``feat_regress.weight`` checked equal to ``img_project.0.weight``, token rows reordered from
+the authors' dict.json by :func:`dict_json_token_rows`; a pretraining checkpoint's pooler and
+``feat_regress.*`` are dropped and the fine-tuning pooler initialised, as finetune.py restores
+it, §5.4; into the pretraining model, ``config.model.stage = "pretrain"``, it converts
+whole). SCORER's CBR is a third, non-official :class:`Source` ``"generator"`` (reference
+S-Q1: never in the official snapshot); the converter
 reads it from ``--extra_params`` (a bare torch state_dict, ``generator.state_dict()``) or
 initialises it with ``--missing=init`` (listed in the report). A model whose Flax parameters
 are not all listed in its table gets the rest through the same ``--missing`` policy.
@@ -29,13 +35,22 @@ are not all listed in its table gets the rest through the same ``--missing`` pol
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
 
-from changecap_jax.convert.errors import KeyMismatchError, WrongModelError
+from changecap_jax.convert.errors import ConversionError, KeyMismatchError, WrongModelError
+from changecap_jax.convert.torch_checkpoint import (
+    IDC_STATE,
+    OfficialSnapshot,
+    read_idc_checkpoint,
+    read_official_snapshot,
+)
 
 States = Mapping[str, Mapping[str, np.ndarray]]  # source name -> {torch key: array}
 
@@ -91,7 +106,9 @@ class Target:
 class Entry:
     """One torch tensor: where it comes from, its expected shape, where it goes.
 
-    ``targets`` is empty for a buffer; ``check`` (buffers) returns an error message or None.
+    ``targets`` is empty for a buffer and for a ``dropped`` key (read and checked, not
+    converted; the string says why); ``check`` (buffers) returns an error message or None;
+    ``same_as`` names a key of the same source this tensor must equal (a tied weight).
     """
 
     source: str
@@ -99,6 +116,8 @@ class Entry:
     dims: tuple[Dim, ...]
     targets: tuple[Target, ...] = ()
     check: Callable[[np.ndarray], str | None] | None = None
+    same_as: str | None = None
+    dropped: str = ""
 
     @property
     def shape(self) -> tuple[int | None, ...]:
@@ -128,6 +147,10 @@ class Sizes:
 
     ``feature_channels`` excludes the coordinate channels AddSpatialInfo adds (§2.3);
     ``origin`` says where the sizes come from (the config's dataset or the checkpoint).
+    Two more things a table can depend on, set by the converter: ``checkpoint_stage``, the
+    official training stage that wrote the file where its format tells (IDC-PCL: "pretrain"
+    or "finetune"), and ``token_rows``, the order of the token rows where the checkpoint's ids
+    follow another vocabulary file (IDC-PCL's dict.json).
     """
 
     vocab_size: int
@@ -136,6 +159,25 @@ class Sizes:
     grid_height: int
     grid_width: int
     origin: str
+    checkpoint_stage: str | None = None
+    token_rows: TokenRows | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Our token row r is the checkpoint's row ``rows[r]`` (:func:`dict_json_token_rows`)."""
+
+    rows: tuple[int, ...]
+    checkpoint_rows: int  # token rows of the checkpoint (|dict.json|)
+    origin: str  # the vocabulary file
+    dropped: tuple[str, ...] = ()  # checkpoint tokens with no row of ours, in id order
+
+    def take(self, *, transpose: bool = False) -> Transform:
+        """Rows of a (V, ...) matrix or (V,) vector in our order (then transposed)."""
+        rows = np.asarray(self.rows)
+        if transpose:
+            return Transform(f"rows by {self.origin}, transpose", lambda x: x[rows].T)
+        return Transform(f"rows by {self.origin}", lambda x: x[rows])
 
 
 def fmt_shape(shape: Sequence[int | None]) -> str:
@@ -232,7 +274,7 @@ def format_table(entries: Sequence[Entry]) -> str:
     lines = []
     for e in entries:
         where = "; ".join(f"{t.path} ({t.transform.name})" for t in e.targets) or (
-            "buffer: checked, not converted")
+            f"dropped: {e.dropped}" if e.dropped else "buffer: checked, not converted")
         lines.append(f"{e.name:58s} {fmt_shape(e.shape):20s} -> {where}")
     return "\n".join(lines)
 
@@ -276,6 +318,10 @@ def check_states(entries: Sequence[Entry], states: States, sources: Sequence[str
                 message = entry.check(state[entry.key])
                 if message:
                     problems.append(f"{entry.name}: {message}")
+            tied = state.get(entry.same_as) if entry.same_as else None
+            if tied is not None and not np.array_equal(state[entry.key], tied):
+                problems.append(f"{entry.name} must equal {source}:{entry.same_as} (tied "
+                                "weights) but differs")
         for key in state:
             if (source, key) not in expected:
                 problems.append(f"unexpected key {source}:{key} with shape "
@@ -358,6 +404,16 @@ class ModelSpec:
       check_identity: (model config, states, model_cfg) -> None, or raises WrongModelError.
       example_batch: (Flax model, sizes) -> a batch of zeros for ``model.init``.
       vocab_size_of_params: Flax params -> vocabulary size.
+      read_snapshot: (path, allow_pickle=...) -> OfficialSnapshot; the official file format.
+      fresh_params: (model config, sizes) -> Flax param paths that the official restore
+        leaves at their fresh initialisation, so the converter initialises them as the
+        trainer does without asking (IDC-PCL: the pooler, from a pretraining checkpoint).
+      token_rows: None, or (model config, dataset vocabulary, vocabulary file, checkpoint
+        token rows) -> :class:`TokenRows`, for checkpoints whose token ids follow another
+        vocabulary file (IDC-PCL: ``--dict_json``).
+      init_inputs: None (``model.init(key, example_batch, train=False)``), or (Flax model,
+        sizes) -> (args, kwargs) of ``model.init`` after the key (IDC-PCL's pretraining
+        model initialises through its ``pretrain`` method).
     """
 
     name: str
@@ -368,6 +424,11 @@ class ModelSpec:
     check_identity: Callable[[ml_collections.ConfigDict, States, Any], None]
     example_batch: Callable[[Any, Sizes], dict[str, np.ndarray]]
     vocab_size_of_params: Callable[[Mapping[str, Any]], int]
+    read_snapshot: Callable[..., OfficialSnapshot] = read_official_snapshot
+    fresh_params: Callable[[ml_collections.ConfigDict, Sizes], tuple[str, ...]] = (
+        lambda model, sizes: ())
+    token_rows: Callable[[ml_collections.ConfigDict, Any, str, int], TokenRows] | None = None
+    init_inputs: Callable[[Any, Sizes], tuple[tuple, dict[str, Any]]] | None = None
 
 
 # ---- DIRL + CCR (§4, Appendix B) --------------------------------------------------------------
@@ -623,8 +684,254 @@ SCORER_SPEC = ModelSpec(
     vocab_size_of_params=lambda params: int(params["decoder"]["logit"]["bias"].shape[0]),
 )
 
+# ---- IDC-PCL (§5, §6, Appendix C) -------------------------------------------------------------
+
+IDC_SPECIALS = ("<PAD>", "<BOS>", "<EOS>", "<UNK>", "<MASK>", "<CLS>")  # dict.json, by name
+IDC_FIXED_IDS = {"<BOS>": 1, "<MASK>": 5}  # hard-coded by the official decoder (I-Q8)
+# Our specials (changecap_jax/data/vocab.py) and appended rows <- the dict.json tokens.
+TRUNK_FROM_DICT = {"<NULL>": "<PAD>", "<UNK>": "<UNK>", "<START>": "<BOS>", "<END>": "<EOS>"}
+LISTED_WORDS = 20
+
+
+def read_dict_json(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The authors' ``dict.json`` (word -> id), checked: ids 0..V-1 each once, the six specials
+    present, <BOS> = 1 and <MASK> = 5 (§5.1). Errors name the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no dict.json file {path} (--dict_json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path} (--dict_json) is not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} (--dict_json) must be a JSON object word -> id, got a "
+                              f"JSON {type(data).__name__}")
+    for word, i in data.items():
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ConversionError(f"{path}: the id of {word!r} is {i!r}, not an integer")
+    missing = [t for t in IDC_SPECIALS if t not in data]
+    if missing:
+        raise ConversionError(f"{path} lacks the special token(s) {missing}; the official "
+                              f"dict.json has all of {list(IDC_SPECIALS)}")
+    for token, want in IDC_FIXED_IDS.items():
+        if data[token] != want:
+            raise ConversionError(
+                f"{path}: {token!r} has id {data[token]}, but the official decoder hard-codes "
+                f"{token} = {want} (modules_finetune.py, reference I-Q8)")
+    by_id: dict[int, list[str]] = {}
+    for word, i in data.items():
+        by_id.setdefault(i, []).append(word)
+    shared = [(i, w) for i, w in sorted(by_id.items()) if len(w) > 1]
+    outside = [(w[0], i) for i, w in sorted(by_id.items()) if not 0 <= i < len(data)]
+    if shared or outside:
+        detail = (f"id {shared[0][0]} is shared by {shared[0][1]}" if shared
+                  else f"{outside[0][0]!r} has id {outside[0][1]}")
+        raise ConversionError(f"{path}: the ids must be 0..{len(data) - 1}, each once; {detail}")
+    return data
+
+
+def dict_json_token_rows(model: ml_collections.ConfigDict, vocab: Any,
+                         dict_json: str | os.PathLike[str], checkpoint_rows: int) -> TokenRows:
+    """IDC-PCL's token permutation. The official rows follow dict.json; ours follow the
+    dataset vocabulary (<NULL>, <UNK>, <START>, <END>, words) with [MASK] and [CLS] appended.
+    Our row <- dict.json id: <NULL> <- <PAD>, <UNK> <- <UNK>, <START> <- <BOS>, <END> <- <EOS>,
+    each word by its string, [MASK] <- <MASK>, [CLS] <- <CLS>. A dataset word absent from
+    dict.json is an error; dict.json words absent from the dataset are dropped."""
+    layout = tuple(model.get(k, d) for k, d in
+                   (("bos_id", 2), ("eos_id", 3), ("mask_id", None), ("cls_id", None)))
+    if layout != (2, 3, None, None):
+        raise ConversionError(
+            "the converter writes the trunk's token layout: config.model.bos_id = 2 (<START>), "
+            "eos_id = 3 (<END>), mask_id = cls_id = None ([MASK], [CLS] appended); got "
+            f"(bos_id, eos_id, mask_id, cls_id) = {layout}")
+    official = read_dict_json(dict_json)
+    if len(official) != checkpoint_rows:
+        raise ConversionError(
+            f"{dict_json} has {len(official)} ids but the checkpoint's "
+            f"{IDC_STATE}:word_embedding.weight has {checkpoint_rows} rows: it is not the "
+            "dict.json of this checkpoint")
+    names = [TRUNK_FROM_DICT.get(vocab.id_to_word[i], vocab.id_to_word[i])
+             for i in range(len(vocab))] + ["<MASK>", "<CLS>"]
+    absent = [w for w in names if w not in official]
+    if absent:
+        shown = ", ".join(repr(w) for w in absent[:LISTED_WORDS])
+        more = f" and {len(absent) - LISTED_WORDS} more" if len(absent) > LISTED_WORDS else ""
+        raise ConversionError(
+            f"{len(absent)} words of the dataset vocabulary are not in {dict_json}, so the "
+            f"checkpoint has no rows for them: {shown}{more}")
+    rows = tuple(official[w] for w in names)
+    used = set(rows)
+    dropped = tuple(w for w, i in sorted(official.items(), key=lambda kv: kv[1])
+                    if i not in used)
+    return TokenRows(rows, len(official), str(dict_json), dropped)
+
+
+def idc_sizes_from_states(model: ml_collections.ConfigDict, states: States) -> Sizes:
+    """Token rows and feature channels of an IDC-PCL checkpoint; the grid and the caption
+    length are not in it (the official 7x7 and 40 stand in)."""
+    vocab = _require(states, IDC_STATE, "word_embedding.weight", 2)[0]
+    channels = _require(states, IDC_STATE, "img_project.0.weight", 2)[1]
+    return Sizes(vocab, 40, channels, 7, 7, "the checkpoint")
+
+
+def idc_check_identity(model: ml_collections.ConfigDict, states: States,
+                       model_cfg: Any) -> None:
+    state = states.get(IDC_STATE, {})
+    signature = ("word_embedding.weight", "position_encoding.type_pe.weight", "encoder.norm.a_2")
+    if not any(k in state for k in signature):
+        raise WrongModelError(
+            f"the file is not an IDC-PCL checkpoint (yaolinli/IDC, reference §6): it has none "
+            f"of {list(signature)} (keys such as {sorted(state)[:4]})")
+    if model.stage == "pretrain" and "feat_regress.bias" not in state:
+        raise WrongModelError(
+            "config.model.stage is 'pretrain' but the file is a fine-tuning checkpoint (no "
+            "feat_regress.*, the MVCL head): convert it with "
+            "--config=configs/idc_pcl.py:finetune/DATASET")
+
+
+def idc_table(model: ml_collections.ConfigDict, sizes: Sizes) -> list[Entry]:
+    """Appendix C for the model of ``model.stage``, for any sizes. Flax paths
+    by :func:`changecap_jax.models.idc_pcl.torch_key_to_flax`; the token rows of
+    ``word_embedding`` and ``output_layer`` are reordered by ``sizes.token_rows``. For the
+    pretraining model (``model.stage == "pretrain"``) the 3d -> 2 pooler and ``feat_regress``
+    convert too; for the fine-tuning model, a pretraining checkpoint's
+    (``sizes.checkpoint_stage == "pretrain"``) pooler and ``feat_regress.*`` are checked but
+    dropped (§5.4)."""
+    from changecap_jax.models import idc_pcl
+
+    tokens = sizes.token_rows
+    if tokens is None:
+        raise ConversionError("the IDC-PCL key table needs the token order: pass "
+                              "--dict_json=PATH (the authors' dict.json)")
+    if model.image_dim != sizes.feature_channels:
+        raise ConversionError(
+            f"config.model.image_dim = {model.image_dim} but the features have "
+            f"{sizes.feature_channels} channels ({sizes.origin}): set "
+            f"--config.model.image_dim={sizes.feature_channels}")
+    e = model.hidden_dim
+    d = Dim(e, "hidden size (config.model.hidden_dim)")
+    ffn = Dim(model.ffn_dim, "FFN width (config.model.ffn_dim)")
+    feat = Dim(sizes.feature_channels, f"feature channels ({sizes.origin})")
+    vocab = Dim(tokens.checkpoint_rows, f"dict.json size ({tokens.origin})")
+    two = Dim(2, "distractor classes")
+    keys: list[tuple[str, tuple[Dim, ...]]] = [
+        ("word_embedding.weight", (vocab, d)),
+        ("img_project.0.weight", (d, feat)), ("img_project.0.bias", (d,)),
+        ("position_encoding.type_pe.weight", (Dim(idc_pcl.NUM_TYPES, "type embeddings"), d)),
+        ("position_encoding.layernorm.a_2", (d,)), ("position_encoding.layernorm.b_2", (d,)),
+    ]
+    for name, blocks in (("single_img_encoder", 1), ("double_img_encoder", 1),
+                         ("encoder", model.cross_layers)):
+        keys += [(f"{name}.norm.a_2", (d,)), (f"{name}.norm.b_2", (d,))]
+        for i in range(blocks):
+            block = f"{name}.layers.{i}"
+            for proj in ("q_linear", "v_linear", "k_linear", "out"):
+                keys += [(f"{block}.attn.{proj}.weight", (d, d)),
+                         (f"{block}.attn.{proj}.bias", (d,))]
+            keys += [(f"{block}.feed_forward.w_1.weight", (ffn, d)),
+                     (f"{block}.feed_forward.w_1.bias", (ffn,)),
+                     (f"{block}.feed_forward.w_2.weight", (d, ffn)),
+                     (f"{block}.feed_forward.w_2.bias", (d,))]
+            for j in (0, 1):
+                keys += [(f"{block}.sublayer.{j}.norm.a_2", (d,)),
+                         (f"{block}.sublayer.{j}.norm.b_2", (d,))]
+    keys += [("output_layer.weight", (vocab, d)), ("output_layer.bias", (vocab,))]
+    by_tokens = {"word_embedding.weight": tokens.take(),
+                 "output_layer.weight": tokens.take(transpose=True),
+                 "output_layer.bias": tokens.take()}
+    t = []
+    for key, dims in keys:
+        path = "/".join(idc_pcl.torch_key_to_flax(key))
+        transform = by_tokens.get(key, TRANSPOSE if path.endswith("/kernel") else COPY)
+        t.append(Entry(IDC_STATE, key, dims, (Target(path, transform),)))
+    t[3:3] = buffer(IDC_STATE, idc_pcl.PE_KEY,
+                    (Dim(1, "batch axis"), Dim(None, "official sinusoid rows (200)"), d),
+                    _idc_sinusoid_check)  # Appendix C order
+    if model.stage == "pretrain":  # the whole pretraining model, the tied weight checked
+        t += linear(IDC_STATE, "pooler.0", "pooler_0",
+                    Dim(3 * e, "3 x hidden size (pretraining pooler)"), two)
+        t.append(Entry(IDC_STATE, idc_pcl.TIED_KEY, (d, feat), same_as="img_project.0.weight",
+                       dropped="tied: one parameter with img_project.0.weight"))
+        t.append(Entry(IDC_STATE, "feat_regress.bias", (feat,),
+                       (Target("feat_regress/bias", COPY),)))
+        t += linear(IDC_STATE, "feat_regress.net.0", "feat_regress/net_0", d, d)
+        for leaf in ("a_2", "b_2"):
+            t.append(Entry(IDC_STATE, f"feat_regress.net.2.{leaf}", (d,),
+                           (Target(f"feat_regress/net_2/{leaf}", COPY),)))
+        return t
+    if sizes.checkpoint_stage != "pretrain":
+        return t + linear(IDC_STATE, "pooler.0", "pooler_0",
+                          Dim(2 * e, "2 x hidden size (fine-tuning pooler)"), two)
+    pooler = "the official restore skips every 'pooler' key (finetune.py, reference §5.4)"
+    head = "the pretraining MVCL head, not in the fine-tuning model (reference §5.4)"
+    pretrain_only = [
+        ("pooler.0.weight", (two, Dim(3 * e, "3 x hidden size (pretraining pooler)")), pooler),
+        ("pooler.0.bias", (two,), pooler),
+        (idc_pcl.TIED_KEY, (d, feat), head),
+        ("feat_regress.bias", (feat,), head),
+        ("feat_regress.net.0.weight", (d, d), head), ("feat_regress.net.0.bias", (d,), head),
+        ("feat_regress.net.2.a_2", (d,), head), ("feat_regress.net.2.b_2", (d,), head),
+    ]
+    return t + [Entry(IDC_STATE, key, dims, dropped=why,
+                      same_as="img_project.0.weight" if key == idc_pcl.TIED_KEY else None)
+                for key, dims, why in pretrain_only]
+
+
+def _idc_sinusoid_check(pe: np.ndarray) -> str | None:
+    from changecap_jax.models.idc_pcl import idc_sinusoid_table
+
+    want = idc_sinusoid_table(pe.shape[1], pe.shape[2])
+    diff = float(np.max(np.abs(pe[0] - want))) if pe.size else 0.0
+    if not np.isfinite(diff) or diff > 1e-6:
+        return (f"the buffer differs from the IDC sinusoid table the Flax model computes (max "
+                f"|diff| {diff:.3g} > 1e-06, reference I-Q2)")
+    return None
+
+
+def idc_fresh_params(model: ml_collections.ConfigDict, sizes: Sizes) -> tuple[str, ...]:
+    """From a pretraining checkpoint the fine-tuning pooler stays fresh (§5.4)."""
+    fresh = sizes.checkpoint_stage == "pretrain" and model.stage == "finetune"
+    return ("pooler_0/bias", "pooler_0/kernel") if fresh else ()
+
+
+def idc_example_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
+    from changecap_jax.models.idc_pcl import STREAMS
+
+    grid = np.zeros((1, sizes.grid_height, sizes.grid_width, sizes.feature_channels), np.float32)
+    batch = {"before": grid}
+    for stream in model.streams:
+        after_key, caption_key, _ = STREAMS[stream]
+        batch[after_key] = grid
+        batch[caption_key] = np.zeros((1, sizes.max_len), np.int32)
+    return batch
+
+
+def idc_init_inputs(model: Any, sizes: Sizes) -> tuple[tuple, dict[str, Any]]:
+    if model.stage != "pretrain":
+        return (idc_example_batch(model, sizes),), {"train": False}
+    grid = np.zeros((1, sizes.grid_height, sizes.grid_width, sizes.feature_channels), np.float32)
+    return (grid, grid, np.zeros((1, sizes.max_len), np.int32)), {"method": "pretrain"}
+
+
+IDC_SPEC = ModelSpec(
+    name="idc_pcl",
+    title="IDC-PCL (yaolinli/IDC)",
+    sources=(Source(IDC_STATE, True, "the model's state_dict (the pretraining checkpoint's "
+                    "model_state_dict or the fine-tuning best_checkpoint.pt)"),),
+    table=idc_table,
+    sizes_from_states=idc_sizes_from_states,
+    check_identity=idc_check_identity,
+    example_batch=idc_example_batch,
+    # word_embedding rows = the vocabulary + the appended [MASK] and [CLS]
+    vocab_size_of_params=lambda params: int(params["word_embedding"]["embedding"].shape[0]) - 2,
+    read_snapshot=read_idc_checkpoint,
+    fresh_params=idc_fresh_params,
+    token_rows=dict_json_token_rows,
+    init_inputs=idc_init_inputs,
+)
+
 # config.model.name -> spec. Subtraction adds its own here.
-SPECS: dict[str, ModelSpec] = {"dirl": DIRL_SPEC, "scorer": SCORER_SPEC}
+SPECS: dict[str, ModelSpec] = {"dirl": DIRL_SPEC, "scorer": SCORER_SPEC, "idc_pcl": IDC_SPEC}
 
 
 def get_spec(model_name: str) -> ModelSpec:

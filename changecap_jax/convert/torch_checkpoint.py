@@ -14,6 +14,10 @@ subclass, which ``torch.load(weights_only=True)`` refuses. Loading therefore goe
 3. full pickle (``weights_only=False``) only when the caller passes ``allow_pickle=True``
    (``--allow_pickle``: trusted files only).
 
+Official IDC-PCL files (§5.6, §6) are read by :func:`read_idc_checkpoint`: the pretraining
+dict ``{"global_step", "model_state_dict", "task_batch_num"}`` or the fine-tuning
+``best_checkpoint.pt``, a bare state_dict; keys may carry DataParallel's "module." prefix.
+
 Tensors come back as NumPy arrays (floating tensors as float32, reference §1.2: the ports
 compute in float32). torch is imported lazily; without it every entry point raises
 :class:`TorchUnavailableError` naming ``pip install -r requirements-torch.txt``.
@@ -34,7 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from changecap_jax.convert.errors import CheckpointFormatError, TorchUnavailableError
+from changecap_jax.convert.errors import (
+    CheckpointFormatError,
+    TorchUnavailableError,
+    WrongModelError,
+)
 
 SNAPSHOT_STATE_KEYS = ("change_detector_state", "speaker_state")  # §3.6 / §4.5
 SNAPSHOT_KEYS = (*SNAPSHOT_STATE_KEYS, "model_cfg")
@@ -42,6 +50,8 @@ SNAPSHOT_KEYS = (*SNAPSHOT_STATE_KEYS, "model_cfg")
 # the iteration is in the file name, <exp>_checkpoint_<t>.pt).
 ITERATION_KEYS = ("iteration", "iter", "step", "t")
 _FILENAME_ITERATION = re.compile(r"_checkpoint_(\d+)\.pth?$")
+IDC_PRETRAIN_KEYS = ("global_step", "model_state_dict", "task_batch_num")  # §5.6
+IDC_STATE = "state_dict"  # the one state_dict of an IDC-PCL checkpoint
 
 
 class ConfigNode(dict):
@@ -200,6 +210,8 @@ class OfficialSnapshot:
       iteration: the training iteration, from an iteration key of the dict or else the
         official file name ``..._checkpoint_<t>.pt``; None when neither says.
       ignored: other top-level keys of the dict (not used).
+      stage: the official training stage that wrote the file, where its format tells
+        (IDC-PCL: "pretrain" or "finetune"); None otherwise.
     """
 
     path: Path
@@ -207,6 +219,7 @@ class OfficialSnapshot:
     model_cfg: Any
     iteration: int | None
     ignored: tuple[str, ...] = ()
+    stage: str | None = None
 
 
 def _preview(keys: list[Any], n: int = 6) -> str:
@@ -254,6 +267,51 @@ def read_official_snapshot(
         iteration = int(match.group(1)) if match else None
     ignored = tuple(str(k) for k in keys if k not in SNAPSHOT_KEYS and k not in ITERATION_KEYS)
     return OfficialSnapshot(path, states, obj.get("model_cfg"), iteration, ignored)
+
+
+def read_idc_checkpoint(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> OfficialSnapshot:
+    """Reads an official IDC-PCL checkpoint (§5.6, §6) as ``states = {IDC_STATE: ...}``.
+
+    The pretraining dict ``{"global_step", "model_state_dict", "task_batch_num"}`` gives stage
+    "pretrain" and iteration = global_step; a bare state_dict (the fine-tuning
+    ``best_checkpoint.pt``) gives stage "finetune" and no iteration. A "module." prefix is
+    stripped from every key that has one, as the official loader does.
+
+    Raises:
+      CheckpointFormatError: unreadable (:func:`load_torch_file`), or neither format.
+    """
+    torch = require_torch()
+    path = Path(path)
+    obj = load_torch_file(path, allow_pickle=allow_pickle)
+    expected = ("expected the IDC-PCL pretraining dict {'global_step', 'model_state_dict', "
+                "'task_batch_num'} or a fine-tuning state_dict (reference §6)")
+    if not isinstance(obj, Mapping):
+        raise CheckpointFormatError(
+            f"{path} is not an IDC-PCL checkpoint: it holds a {type(obj).__name__}; {expected}")
+    keys = list(obj)
+    if any(k in obj for k in SNAPSHOT_STATE_KEYS):
+        raise WrongModelError(f"{path} is an official SCORER / DIRL snapshot, not an IDC-PCL "
+                              "checkpoint; convert it with the config of that model")
+    if "model_state_dict" in obj:
+        stage, state, where = "pretrain", obj["model_state_dict"], f"{path}: model_state_dict"
+        step = obj.get("global_step")
+        iteration = int(step) if isinstance(step, int | np.integer) and not isinstance(
+            step, bool) else None
+        ignored = tuple(str(k) for k in keys if k not in IDC_PRETRAIN_KEYS[:2])
+    elif keys and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        stage, state, where, iteration, ignored = "finetune", obj, str(path), None, ()
+    else:
+        raise CheckpointFormatError(
+            f"{path} is not an IDC-PCL checkpoint: its dict {_preview(keys)} is neither; "
+            f"{expected}")
+    arrays = state_dict_to_numpy(state, where)
+    stripped = {k.removeprefix("module."): v for k, v in arrays.items()}
+    if len(stripped) != len(arrays):
+        raise CheckpointFormatError(
+            f"{where} holds keys both with and without the 'module.' prefix")
+    return OfficialSnapshot(path, {IDC_STATE: stripped}, None, iteration, ignored, stage)
 
 
 def read_state_dict(
