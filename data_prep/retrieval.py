@@ -18,8 +18,8 @@ renamed at the end, so a crash never leaves half a result):
   orientation o, ``ids_<o>`` int32 (N, k), ``scores_<o>`` float32 (N, k) and
   ``constrained_<o>`` bool (N, k).
 
-:func:`load_retrieval` reads and checks it; the trainer reads it through
-``changecap_jax/data/entity_inputs.py``.
+``changecap_jax/data/entity_inputs.py`` reads and checks it (``load_retrieval`` here), for the
+trainer and for the tests alike.
 
 Retrieval (Eq. 1). With S_bef, S_aft (M,) the cosine similarities of the two images to the M
 entity embeddings, an entity's score is S_bef - S_aft as printed (``difference="signed"``, the
@@ -88,13 +88,17 @@ FORMAT = entity_inputs.FORMAT
 RETRIEVAL_DIR = entity_inputs.RETRIEVAL_DIR
 CLIP_CACHE_DIR = RETRIEVAL_DIR + ".clip_cache"
 BACKBONES = ("clip", "contrastive")
-DIFFERENCES = ("signed", "absolute")
+DIFFERENCES = entity_inputs.DIFFERENCES
 ORIENTATION_IMAGES = {  # orientation -> (record field of the "before", of the "after")
     "semantic": ("before", "after_semantic"),
     "distractor": ("before", "after_distractor"),
     "distractor_swapped": ("after_distractor", "before"),
 }
+# The one reader of the output lives with the trainer's (changecap_jax/data/entity_inputs.py).
 RetrievalError = entity_inputs.EntityInputError  # a ValueError naming the file and key
+RetrievalData = entity_inputs.EntityInputs
+SplitRetrieval = entity_inputs.SplitRetrieval
+load_retrieval = entity_inputs.load
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,140 +506,6 @@ def _save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
                                      delete=False) as f:
         np.savez(f, **arrays)
     Path(f.name).replace(path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the output
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class SplitRetrieval:
-    """One split's retrieval: row i is record i of the split."""
-
-    record_ids: np.ndarray  # (N,) int64
-    ids: dict[str, np.ndarray]  # orientation -> (N, k) int32
-    scores: dict[str, np.ndarray]  # orientation -> (N, k) float32
-    constrained: dict[str, np.ndarray]  # orientation -> (N, k) bool
-
-
-@dataclasses.dataclass
-class RetrievalData:
-    """``<dataset directory>/entity_retrieval`` as written by :func:`run_retrieval`."""
-
-    directory: Path
-    meta: dict[str, Any]
-    embeddings: np.ndarray  # (M, D) float32
-    texts: list[str]
-
-    @property
-    def k(self) -> int:
-        return int(self.meta["k"])
-
-    @property
-    def orientations(self) -> list[str]:
-        return list(self.meta["orientations"])
-
-    def split(self, name: str, num_records: int | None = None) -> SplitRetrieval:
-        """The arrays of one split, checked against meta.json (and ``num_records``, the
-        split's record count, when given)."""
-        if name not in self.meta["splits"]:
-            raise RetrievalError(f"{self.directory / 'meta.json'}: splits has no {name!r} "
-                                 f"(it has {sorted(self.meta['splits'])})")
-        path = self.directory / f"{name}.npz"
-        if not path.exists():
-            raise RetrievalError(f"{path}: file missing (meta.json lists split {name!r})")
-        n = int(self.meta["splits"][name])
-        if num_records is not None and num_records != n:
-            raise RetrievalError(
-                f"{path}: record_ids holds {n} rows but the split has {num_records} records "
-                "(the dataset was rebuilt after the retrieval? run data_prep.retrieval again)")
-        with np.load(path) as data:
-            arrays = {key: data[key] for key in data.files}
-        m, k = len(self.texts), self.k
-        record_ids = _check_array(path, arrays, "record_ids", (n,), np.int64)
-        out = SplitRetrieval(record_ids, {}, {}, {})
-        for o in self.orientations:
-            ids = _check_array(path, arrays, f"ids_{o}", (n, k), np.int32)
-            if ids.size and (ids.min() < 0 or ids.max() >= m):
-                raise RetrievalError(f"{path}: ids_{o} holds ids outside [0, {m})")
-            out.ids[o] = ids
-            out.scores[o] = _check_array(path, arrays, f"scores_{o}", (n, k), np.float32)
-            out.constrained[o] = _check_array(path, arrays, f"constrained_{o}", (n, k), np.bool_)
-        return out
-
-
-def _check_array(path: Path, arrays: Mapping[str, np.ndarray], key: str,
-                 shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    if key not in arrays:
-        raise RetrievalError(f"{path}: {key} is missing (expected {shape} {np.dtype(dtype)})")
-    a = arrays[key]
-    if a.shape != shape or a.dtype != dtype:
-        raise RetrievalError(f"{path}: {key} has shape {a.shape} dtype {a.dtype}, expected "
-                             f"{shape} {np.dtype(dtype)}")
-    return a
-
-
-def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
-    def fail(key: str, problem: str) -> RetrievalError:
-        return RetrievalError(f"{path}: {key} {problem}")
-
-    if not isinstance(meta, dict):
-        raise fail("top level", "must be a JSON object")
-    if meta.get("format") != FORMAT:
-        raise fail("format", f"is {meta.get('format')!r}, expected {FORMAT!r}")
-    for key in ("k", "num_entities", "embedding_dim"):
-        if type(meta.get(key)) is not int or meta[key] < 1:
-            raise fail(key, f"must be a positive integer, got {meta.get(key)!r}")
-    if meta["k"] > meta["num_entities"]:
-        raise fail("k", f"is {meta['k']}, more than num_entities {meta['num_entities']}")
-    if meta.get("backbone") not in BACKBONES:
-        raise fail("backbone", f"is {meta.get('backbone')!r}, expected one of {BACKBONES}")
-    if meta.get("difference") not in DIFFERENCES:
-        raise fail("difference", f"is {meta.get('difference')!r}, expected one of "
-                   f"{DIFFERENCES}")
-    orientations = meta.get("orientations")
-    if (not isinstance(orientations, list) or not orientations
-            or not set(orientations) <= set(ORIENTATION_IMAGES)):
-        raise fail("orientations", f"is {orientations!r}, expected a non-empty list of "
-                   f"{tuple(ORIENTATION_IMAGES)}")
-    splits = meta.get("splits")
-    if not isinstance(splits, dict) or not all(
-            type(n) is int and n >= 0 for n in splits.values()):
-        raise fail("splits", f"is {splits!r}, expected {{split: number of records}}")
-    return meta
-
-
-def load_retrieval(dataset_directory: str | Path) -> RetrievalData:
-    """Reads ``<dataset_directory>/entity_retrieval``; any mismatch raises a ValueError
-    (:data:`RetrievalError`) naming the file, the key and what was expected."""
-    from changecap_jax.jsonio import read_json
-
-    directory = Path(dataset_directory) / RETRIEVAL_DIR
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} does not exist: run python -m "
-                                "data_prep.retrieval for the dataset")
-    meta_path = directory / "meta.json"
-    meta = _check_meta(meta_path, read_json(meta_path, "retrieval meta file"))
-    shape = (meta["num_entities"], meta["embedding_dim"])
-    emb_path = directory / "embeddings.npy"
-    if not emb_path.exists():
-        raise RetrievalError(f"{emb_path}: file missing (expected {shape} float32)")
-    embeddings = np.load(emb_path)
-    if embeddings.shape != shape or embeddings.dtype != np.float32:
-        raise RetrievalError(f"{emb_path}: array has shape {embeddings.shape} dtype "
-                             f"{embeddings.dtype}, expected {shape} float32 (meta.json "
-                             "num_entities, embedding_dim)")
-    texts_path = directory / "texts.json"
-    texts = read_json(texts_path, "retrieval entity texts")
-    if (not isinstance(texts, list) or len(texts) != shape[0]
-            or not all(isinstance(t, str) for t in texts)):
-        raise RetrievalError(f"{texts_path}: list must hold num_entities = {shape[0]} strings")
-    for split in meta["splits"]:
-        if not (directory / f"{split}.npz").exists():
-            raise RetrievalError(f"{directory / f'{split}.npz'}: file missing (meta.json "
-                                 f"lists split {split!r})")
-    return RetrievalData(directory, meta, embeddings, texts)
 
 
 # ---------------------------------------------------------------------------------------------

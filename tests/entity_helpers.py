@@ -29,6 +29,8 @@ def write_retrieval(dataset, *, k: int = 3, dim: int = 8, num_entities: int = 11
         for o in orientations:
             arrays[f"ids_{o}"] = np.stack([rng.permutation(num_entities)[:k]
                                            for _ in range(n)]).astype(np.int32)
+            arrays[f"scores_{o}"] = -np.sort(-rng.random((n, k)), axis=1).astype(np.float32)
+            arrays[f"constrained_{o}"] = np.ones((n, k), bool)
         np.savez(out / f"{split}.npz", **arrays)
         splits[split] = n
     embeddings = rng.normal(size=(num_entities, dim)).astype(np.float32)

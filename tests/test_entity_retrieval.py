@@ -219,7 +219,7 @@ def test_contrastive_command_end_to_end(synthetic, contrastive_output):
     assert data.embeddings.shape == (m, 64) and data.embeddings.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(data.embeddings, axis=1), 1.0, atol=1e-5)
     assert data.texts == entity_lib.load_entities(synthetic.directory / "entities.json").texts
-    assert data.orientations == ["semantic", "distractor", "distractor_swapped"]
+    assert data.orientations == ("semantic", "distractor", "distractor_swapped")
     for split in ("train", "val", "test"):
         source = synthetic.split(split)
         arrays = data.split(split, len(source))
