@@ -36,6 +36,49 @@ from it with ``--config.init_from=P`` (same ``checkpoints/`` layout, a ``state``
   and negative similarity) averaged over ``pretrain.val_batches`` fixed val batches with fixed
   masks, to the MetricWriter, the log and ``metrics/pretrain_val_<step>.json``.
 
+Cross-task source (paper §2.4, appendix A.3; ``config.pretrain.extra_source``; I-Q16: the
+official bird/ code is not in the reference, so this follows the paper alone). A directory of
+``python -m data_prep.cross_task``, read by ``data/extra_source.py`` (its meta.json says caption
+or classify), joins EVERY step: with P = batch_size x pair streams IDC rows (the MLM/MVCL
+batch), ``ratio`` = (p, e) adds P * e / p source rows (a whole multiple of the devices; 200 : 50
+for Birds-to-Words at the paper's 4 : 1) from the source's own endless seeded grain stream,
+each process reading its shard and the stream checkpointed as ``data_extra`` (exact resume).
+
+* caption (GIC, CUB): each image is a pseudo pair, (its grid, an EMPTY second image read as a
+  zero grid of the same shape), with one of its captions drawn per visit. The rows are
+  appended to the MLM or MVCL batch (``pseudo`` marks them) and count like IDC rows in the
+  task's global means. MVCL masks only the real image (``region_mask``'s ``real_only``) and
+  leaves the empty image's regressions out of the negatives (they are no image's regions; the
+  paper is silent). FDA with a caption source is a PretrainError for now: A.3 uses Retrieve
+  and Replace negatives only, and no builder writes them for a source yet.
+* classify (FGVC, NABirds): pairs of ``classification_pairs`` (half same-class, seeded by
+  ``config.seed``; ``num_pairs`` per pass, default one per image as A.3's 48,562 for 48,562
+  images) in ``extra_*`` fields beside the task's batch. They go through the image difference
+  encoder only (no text, no cross-modal encoder) and the step's loss is
+  task loss + classify_weight * CE + contrastive_weight * contrastive + match_weight * match.
+  What the paper leaves open, each a field of ``extra_source``:
+
+  - ``pooling`` ("mean"): a single-image encoding is the mean of the single-image encoder's N
+    region outputs (CLS left out); "cls" takes its CLS output. Both the classifier
+    (``fgvc_classifier``, one linear layer d -> classes) and the contrastive loss read it.
+  - ``contrastive`` ("supcon"): SupCon (Khosla et al. 2020, L_out) on the L2-normalised pooled
+    encodings, no projection head, positives = the other images of the same label anywhere in
+    the GLOBAL batch (both images of every pair, all_gather over the data axis), anchors with
+    no positive skipped, ``temperature`` 1.0 (the paper sets its contrastive temperatures to
+    1). "transfg": the margin loss of TransFG (He et al. 2021, the paper's citation for this
+    loss) over the global batch, ``margin`` 0.4 as TransFG.
+  - ``match_pooling`` ("cls"): the matcher (``fgvc_matcher``, 2d -> 2, label 1 = same class)
+    reads cat(CLS1, CLS2) of the pair encoder's output, as the fine-tuning pooler does on the
+    cross-modal encoder's; "mean": cat(mean of img1's regions, mean of img2's).
+  - the weights (1.0 each) and the plain sum with the drawn task's loss; every term is a mean
+    over the global batch (images for the CE, pairs for the matching).
+  - FDA steps get the same rows: the ratio is taken against the MLM/MVCL batch, so one stream
+    of one batch shape serves every task.
+
+  ``fgvc_classifier`` / ``fgvc_matcher`` exist only in a pretraining model with a
+  classification source (``model.fgvc_classes`` is set from its meta.json); fine-tuning's
+  ``init_exclude`` names them. Validation stays on the IDC val split.
+
 Not as the official code: steps stop at ``num_train_steps`` (the official loop runs one more,
 global_step 0..250000), and each visit of a pair draws one of its captions (the official files
 hold one sample per sentence).
@@ -43,6 +86,8 @@ hold one sample per sentence).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -61,7 +106,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from changecap_jax import export, parallel, train
-from changecap_jax.data import negatives, pipeline
+from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models import idc_pcl
@@ -70,6 +115,7 @@ TASKS = ("mlm", "mvcl", "fda")
 REGION_MASK_PROBABILITY = 0.15  # §5.1 MVM masking
 VAL_FOLD = 0x7A11  # validation masks come from fold_in(fold_in(seed key, VAL_FOLD), batch)
 VAL_SEED = 0  # the val batches' shuffle: the same batches at every validation
+EXTRA_FOLD = 0xE17A  # the classification heads' dropout: fold_in(the device's dropout key, it)
 
 
 class PretrainError(ValueError):
@@ -115,14 +161,16 @@ def sample_keys(key: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def region_mask(key: jax.Array, num_regions: int,
-                probability: float = REGION_MASK_PROBABILITY) -> jax.Array:
+                probability: float = REGION_MASK_PROBABILITY,
+                real_only: jax.Array | bool = False) -> jax.Array:
     """§5.1 MVM mask (2N,) bool, True = masked: each region with ``probability`` (one at random
-    when none was drawn), on img1 with p = 0.5, else on img2."""
+    when none was drawn), on img1 with p = 0.5, else on img2. ``real_only`` (a pseudo pair of
+    a caption source, A.3): always on img1, the real image; the same draws otherwise."""
     k_pick, k_one, k_side = jax.random.split(key, 3)
     region = jax.random.uniform(k_pick, (num_regions,)) < probability
     one = jnp.arange(num_regions) == jax.random.randint(k_one, (), 0, num_regions)
     region = jnp.where(jnp.any(region), region, one)
-    first = jax.random.uniform(k_side) < 0.5
+    first = (jax.random.uniform(k_side) < 0.5) | real_only
     return jnp.concatenate([region & first, region & ~first])
 
 
@@ -169,7 +217,13 @@ def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
     del model
     t1, t2 = _tokens(batch["img1"]), _tokens(batch["img2"])
     n, c = t1.shape[1], t1.shape[2]
-    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(keys)  # (s, 2N)
+    # Pseudo pairs of a caption source (A.3): only the real image is masked, and the empty
+    # image's regions are no negatives (they are no image's regions).
+    pseudo = batch.get("pseudo", jnp.zeros(t1.shape[0], bool))
+    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(
+        keys, real_only=pseudo)  # (s, 2N)
+    empty = jnp.concatenate([jnp.zeros((t1.shape[0], n), bool),
+                             jnp.broadcast_to(pseudo[:, None], (t1.shape[0], n))], 1)
     out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
                   batch["ids"])
     pred = idc_pcl.l2_normalize(out.regressed.astype(jnp.float32))  # (s, 2N, C)
@@ -187,7 +241,8 @@ def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
     # regression at every unmasked region (the official negatives, §5.3).
     gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
     true_cols, true_ok = gather(row_true), gather(row_masked)
-    pred_cols, pred_ok = gather(pred.reshape(-1, c)), ~gather(mask.reshape(-1))
+    pred_cols = gather(pred.reshape(-1, c))
+    pred_ok = ~gather(mask.reshape(-1)) & ~gather(empty.reshape(-1))
     logits = jnp.concatenate([jnp.where(true_ok[None], rows @ true_cols.T, -jnp.inf),
                               jnp.where(pred_ok[None], rows @ pred_cols.T, -jnp.inf)], 1)
     per_row = jax.nn.logsumexp(logits, -1) - jnp.sum(rows * row_true, -1)  # nce_temp 1 (I-Q5)
@@ -211,12 +266,75 @@ def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, 
                                                 count * (sim.shape[1] - 1), axis)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassifyLosses:
+    """A.3's FGVC losses on a classification source's rows (config.pretrain.extra_source;
+    the choices the paper leaves open are in the module docstring)."""
+
+    classify_weight: float = 1.0
+    contrastive_weight: float = 1.0
+    match_weight: float = 1.0
+    contrastive: str = "supcon"  # or "transfg", the margin loss of the paper's citation
+    temperature: float = 1.0  # supcon
+    margin: float = 0.4  # transfg (TransFG's alpha)
+    pooling: str = "mean"
+    match_pooling: str = "cls"
+
+
+CONTRASTIVE_LOSSES = ("supcon", "transfg")
+
+
+def global_contrastive(z: jax.Array, labels: jax.Array, axis: str,
+                       settings: ClassifyLosses) -> jax.Array:
+    """The contrastive loss of this device's images ``z`` (n, d) against every image of the
+    GLOBAL batch (all_gather over ``axis``; inside shard_map): SupCon's mean over the anchors
+    that have a positive, or TransFG's sum / N^2."""
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
+    columns, column_labels = gather(z), gather(labels)
+    if settings.contrastive == "transfg":
+        rows = idc_pcl.transfg_row_losses(z, labels, columns, column_labels, settings.margin)
+        return jax.lax.psum(jnp.sum(rows), axis) / jnp.float32(columns.shape[0]) ** 2
+    own = jax.lax.axis_index(axis) * z.shape[0] + jnp.arange(z.shape[0])  # global columns
+    rows, has_positive = idc_pcl.supcon_row_losses(z, labels, own, columns, column_labels,
+                                                   settings.temperature)
+    # Anchors without a positive in the global batch have no term (SupCon's convention).
+    return jax.lax.psum(jnp.sum(rows), axis) / jnp.maximum(
+        jax.lax.psum(jnp.sum(has_positive), axis), 1)
+
+
+def _fgvc(classify: Any, batch: dict, axis: str,
+          settings: ClassifyLosses) -> dict[str, jax.Array]:
+    """Classification CE of both images, SupCon over every image of the GLOBAL batch (gathered
+    columns) and the pair's same-class CE; each a mean over the global batch."""
+    out = classify(batch["extra_img1"], batch["extra_img2"])
+    pairs, dim = out.single.shape[0], out.single.shape[-1]
+    labels = jnp.stack([batch["extra_label1"], batch["extra_label2"]], 1).astype(jnp.int32)
+    ce, _ = idc_pcl.token_cross_entropy(out.class_logits, labels)
+    hit = jnp.argmax(out.class_logits, -1) == labels
+    images = jnp.float32(2 * pairs)
+    contrastive = global_contrastive(out.single.reshape(2 * pairs, dim), labels.reshape(-1),
+                                     axis, settings)
+    same = batch["extra_same"].astype(jnp.int32)
+    match_ce, _ = idc_pcl.token_cross_entropy(out.match_logits, same)
+    count = jnp.float32(pairs)
+    return {
+        "fgvc_classify": _global_mean(jnp.sum(ce), images, axis),
+        "fgvc_accuracy": _global_mean(jnp.sum(hit), images, axis),
+        "fgvc_contrastive": contrastive,
+        "fgvc_match": _global_mean(jnp.sum(match_ce), count, axis),
+        "fgvc_match_accuracy": _global_mean(
+            jnp.sum(jnp.argmax(out.match_logits, -1) == same), count, axis),
+    }
+
+
 def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: bool = True,
-                   fda_temperature: float = 1.0) -> Any:
+                   fda_temperature: float = 1.0, classify: ClassifyLosses | None = None) -> Any:
     """(params, global batch, rng) -> (loss, metrics) of one task over the GLOBAL batch.
 
     ``rng`` is the step's key: the masks use ``fold_in(rng, train.INPUTS_FOLD)`` folded with
-    each sample's global index, dropout ``fold_in(rng, device index)`` (as the trunk)."""
+    each sample's global index, dropout ``fold_in(rng, device index)`` (as the trunk).
+    ``classify``: the batch also holds a classification source's ``extra_*`` rows, whose
+    weighted losses are added to the task's (``task_loss`` is the task's alone)."""
     if task not in TASKS:
         raise PretrainError(f"unknown pretraining task {task!r}; tasks: {TASKS}")
     axis = parallel.DATA_AXIS
@@ -236,6 +354,21 @@ def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: b
             metrics = _fda(forward, batch, axis, fda_temperature)
         else:
             metrics = (_mlm if task == "mlm" else _mvcl)(model, forward, batch, keys, axis)
+        if classify is not None:
+            def heads(img1: jax.Array, img2: jax.Array) -> Any:
+                return model.apply(
+                    {"params": params}, img1, img2, pooling=classify.pooling,
+                    match_pooling=classify.match_pooling, train=train_mode,
+                    rngs={"dropout": jax.random.fold_in(dropout, EXTRA_FOLD)},
+                    method="cross_task_classify")
+
+            extra = _fgvc(heads, batch, axis, classify)
+            metrics["task_loss"] = metrics["loss"]
+            metrics["loss"] = (metrics["loss"]
+                               + classify.classify_weight * extra["fgvc_classify"]
+                               + classify.contrastive_weight * extra["fgvc_contrastive"]
+                               + classify.match_weight * extra["fgvc_match"])
+            metrics.update(extra)
         return metrics["loss"], metrics
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P()),
@@ -243,10 +376,12 @@ def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: b
 
 
 def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, schedule: Any,
-                   *, fda_temperature: float = 1.0, with_grads: bool = False) -> Any:
+                   *, fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
+                   with_grads: bool = False) -> Any:
     """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
     gradients with ``with_grads``, for tests). Keys as the trunk: fold_in(state.rng, step)."""
-    loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature)
+    loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature,
+                             classify=classify)
 
     def step(state: train.TrainState, batch: dict) -> tuple:
         rng = jax.random.fold_in(state.rng, state.step)
@@ -282,6 +417,41 @@ def negatives_command(dataset: ml_collections.ConfigDict) -> str:
     return " ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExtraStream:
+    """A cross-task source whose ``rows`` rows join every step's batch (module docstring)."""
+
+    task: str  # extra_source.CAPTION or CLASSIFY
+    rows: int  # global rows per step
+    samples: Any  # extra_source.CaptionPseudoPairs or ClassificationPairs
+    classify: ClassifyLosses | None  # the FGVC losses (classification sources)
+
+    def join(self, pairs: dict, extra: dict) -> dict:
+        """The drawn task's local batch with this source's local rows."""
+        if self.task == extra_source.CAPTION:
+            return extra_source.join_caption_rows(pairs, extra)
+        return extra_source.join_classify_rows(pairs, extra)
+
+
+POOLINGS = {"pooling": ("mean", "cls"), "match_pooling": ("cls", "mean")}
+
+
+def _classify_losses(cfg: ml_collections.ConfigDict) -> ClassifyLosses:
+    settings = ClassifyLosses(**{f.name: type(f.default)(cfg.get(f.name, f.default))
+                                 for f in dataclasses.fields(ClassifyLosses)})
+    for name, allowed in POOLINGS.items():
+        if getattr(settings, name) not in allowed:
+            raise PretrainError(f"config.pretrain.extra_source.{name} = "
+                                f"{getattr(settings, name)!r}, expected one of {allowed}")
+    if settings.contrastive not in CONTRASTIVE_LOSSES:
+        raise PretrainError(f"config.pretrain.extra_source.contrastive = "
+                            f"{settings.contrastive!r}, expected one of {CONTRASTIVE_LOSSES}")
+    if not settings.temperature > 0:
+        raise PretrainError(f"config.pretrain.extra_source.temperature = "
+                            f"{settings.temperature}, expected > 0")
+    return settings
+
+
 class PretrainTrainer(train.Trainer):
     """Pretraining on the trunk's dataset, model builder, optimiser, mesh and checkpoints
     (module docstring)."""
@@ -297,6 +467,12 @@ class PretrainTrainer(train.Trainer):
         if config.model.get("stage") != "pretrain":
             raise PretrainError("pretraining needs config.model.stage = 'pretrain', got "
                                 f"{config.model.get('stage')!r}")
+        extra_meta = self._extra_meta(pre)
+        if extra_meta is not None and extra_meta["task"] == extra_source.CLASSIFY:
+            # The class count sizes the model's fgvc_classifier: it comes from the source.
+            config = copy.deepcopy(config)
+            with config.unlocked():
+                config.model.fgvc_classes = len(extra_meta["labels"])
         super().__init__(config, workdir, mesh=mesh)
         self.streams = self.model.streams
         pairs = config.batch_size * len(self.streams)
@@ -314,13 +490,114 @@ class PretrainTrainer(train.Trainer):
         if "fda" in self.tasks:  # read now: a missing file fails before any compilation
             for split in ("train", "val") if self.val_batches > 0 else ("train",):
                 self.negatives[split] = self.load_negatives(split)
+        self.extra = (self._extra_stream(pre.extra_source, extra_meta)
+                      if extra_meta is not None else None)
+        classify = self.extra.classify if self.extra is not None else None
         temperature = float(pre.get("fda_temperature", 1.0))
         self.task_steps = {t: make_task_step(self.model, t, self.optimizer, self.mesh,
-                                             self.schedule, fda_temperature=temperature)
+                                             self.schedule, fda_temperature=temperature,
+                                             classify=classify)
                            for t in self.tasks}
         self.task_losses = {t: jax.jit(make_task_loss(
             self.model, t, self.mesh, train_mode=False, fda_temperature=temperature))
             for t in self.tasks}
+
+    # -- the cross-task source (A.3) -----------------------------------------------------------
+
+    def _extra_meta(self, pre: ml_collections.ConfigDict) -> dict | None:
+        """The extra source's checked meta.json, or None without one."""
+        cfg = pre.get("extra_source")
+        if cfg is None or not cfg.get("dir"):
+            return None
+        try:
+            meta = extra_source.read_meta(cfg.dir)
+        except extra_source.ExtraSourceError as e:
+            raise PretrainError(str(e)) from e
+        if meta["task"] == extra_source.CAPTION and "fda" in self.tasks:
+            raise PretrainError(
+                f"{Path(cfg.dir) / 'meta.json'}: a caption source (task 'caption') in FDA is not "
+                "supported yet (A.3 needs its Retrieve/Replace negatives, which no builder "
+                "writes yet); leave fda out of config.pretrain.tasks for this stage")
+        return meta
+
+    def _extra_stream(self, cfg: ml_collections.ConfigDict, meta: dict) -> ExtraStream:
+        """Opens the source's split and checks it against the dataset and the batch."""
+        ratio = tuple(cfg.get("ratio", (4, 1)))
+        if len(ratio) != 2 or not all(isinstance(n, int) and n > 0 for n in ratio):
+            raise PretrainError(f"config.pretrain.extra_source.ratio = {ratio}, expected two "
+                                "positive integers IDC rows : extra rows (A.3: (4, 1))")
+        pairs = self.config.batch_size * len(self.streams)
+        rows, rest = divmod(pairs * ratio[1], ratio[0])
+        devices = self.mesh.devices.size
+        if rest or rows % devices:
+            raise PretrainError(
+                f"config.pretrain.extra_source.ratio = {ratio}: the step's {pairs} IDC rows "
+                f"(config.batch_size x pair streams) give {pairs * ratio[1] / ratio[0]:g} extra "
+                f"rows, which must be a whole multiple of the {devices} devices")
+        try:
+            source = extra_source.open_source(cfg.dir, cfg.get("split", "train"))
+        except extra_source.ExtraSourceError as e:
+            raise PretrainError(str(e)) from e
+        meta_path = Path(cfg.dir) / "meta.json"
+        sample = self.samples("mlm", "train")[0]
+        grid, length = np.asarray(sample["img1"]).shape, np.asarray(sample["captions"]).shape[-1]
+        shape = tuple(meta["feature_shape"])
+        classify = None
+        if source.task == extra_source.CAPTION:
+            if meta["vocab_size"] != len(self.dataset.vocab):
+                raise PretrainError(
+                    f"{meta_path}: key 'vocab_size' is {meta['vocab_size']}, the dataset's "
+                    f"vocabulary has {len(self.dataset.vocab)} words: build the source with "
+                    "its vocab.json (python -m data_prep.cross_task --vocab=...)")
+            if shape != grid:
+                raise PretrainError(f"{meta_path}: key 'feature_shape' is {list(shape)}, the "
+                                    f"dataset's grids are {list(grid)} (pseudo pairs join "
+                                    "its batches)")
+            try:
+                samples: Any = extra_source.CaptionPseudoPairs(source, length)
+            except extra_source.ExtraSourceError as e:
+                raise PretrainError(str(e)) from e
+        else:
+            if shape[-1] != self.model.image_dim:
+                raise PretrainError(f"{meta_path}: key 'feature_shape' is {list(shape)}: "
+                                    f"{shape[-1]} channels, config.model.image_dim is "
+                                    f"{self.model.image_dim}")
+            count = int(cfg.get("num_pairs", 0)) or len(source)
+            try:
+                chosen = extra_source.classification_pairs(source.labels, count,
+                                                           seed=self.config.seed)
+            except ValueError as e:
+                raise PretrainError(f"{source.directory / (source.split + '.npz')}: "
+                                    f"'labels': {e}") from e
+            samples = extra_source.ClassificationPairs(source, chosen)
+            classify = _classify_losses(cfg)
+        if len(samples) < rows:
+            raise PretrainError(f"{meta_path}: split {source.split!r} gives {len(samples)} "
+                                f"rows, fewer than the {rows} extra rows per step")
+        return ExtraStream(source.task, rows, samples, classify)
+
+    def extra_loader(self) -> grain.DataLoader:
+        """The extra source's endless stream, this process's share of each step's rows."""
+        assert self.extra is not None
+        seed = int(np.random.SeedSequence([self.config.seed, len(TASKS)]).generate_state(1)[0])
+        return sample_loader(self.extra.samples, global_batch_size=self.extra.rows, seed=seed,
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count(),
+                             pick_caption=self.extra.task == extra_source.CAPTION)
+
+    def host_batch(self, task: str, iterators: dict[str, Any]) -> dict:
+        """This process's rows of the next step of ``task`` (with the extra source's)."""
+        batch = next(iterators[task])
+        if self.extra is not None:
+            batch = self.extra.join(batch, next(iterators["extra"]))
+        return batch
+
+    def iterators(self) -> dict[str, Any]:
+        """Each task's stream and, with an extra source, its stream as ``extra``."""
+        iterators = {t: iter(self.task_loader(t)) for t in self.tasks}
+        if self.extra is not None:
+            iterators["extra"] = iter(self.extra_loader())
+        return iterators
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -378,9 +655,10 @@ class PretrainTrainer(train.Trainer):
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         # The state (what fine-tuning's init_from reads) and one data iterator per task.
+        extra = ("data_extra",) if self.extra is not None else ()
         return train.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
-            ("state", *(f"data_{t}" for t in self.tasks)))
+            ("state", *(f"data_{t}" for t in self.tasks), *extra))
 
     def save(self, manager: ocp.CheckpointManager, step: int, state: train.TrainState,
              iterators: dict[str, Any]) -> None:
@@ -461,7 +739,7 @@ class PretrainTrainer(train.Trainer):
         export.save_config(self.workdir, config)
         manager = self.checkpoint_manager()
         state = self.init_state()
-        iterators = {t: iter(self.task_loader(t)) for t in self.tasks}
+        iterators = self.iterators()
         if manager.latest_step() is not None:
             state = self.restore_all(manager, state, iterators)
         elif config.get("init_from", ""):
@@ -471,9 +749,11 @@ class PretrainTrainer(train.Trainer):
         if self.is_main:
             n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
             logging.info("pretraining %s: %d parameters, tasks %s with probabilities %s, "
-                         "samples per step %s; starting at step %d", config.model.name,
-                         n_params, self.tasks, np.round(self.probabilities, 4).tolist(),
-                         self.batch_sizes, start)
+                         "samples per step %s, extra %s rows %d; starting at step %d",
+                         config.model.name, n_params, self.tasks,
+                         np.round(self.probabilities, 4).tolist(), self.batch_sizes,
+                         self.extra.task if self.extra else None,
+                         self.extra.rows if self.extra else 0, start)
         bar = tqdm(total=total, initial=start, disable=not self.is_main, desc="pretrain",
                    dynamic_ncols=True)
         last: dict[str, float] = {}
@@ -481,7 +761,7 @@ class PretrainTrainer(train.Trainer):
         window_start, window_steps = time.perf_counter(), 0
         for step in range(start + 1, total + 1):
             task = draw_task(config.seed, step, self.tasks, self.probabilities)
-            batch = pipeline.to_global(next(iterators[task]), self.data_sharding)
+            batch = pipeline.to_global(self.host_batch(task, iterators), self.data_sharding)
             state, metrics = self.task_steps[task](state, batch)
             window[task].append(metrics)
             window_steps += 1

@@ -22,6 +22,21 @@ make them first with ``python -m data_prep.hard_negatives --dataset=NAME [--data
 the enabled tasks share it. Checkpoints hold the state and each task's data stream, so a run
 resumes exactly.
 
+Cross-task data (paper §2.4, appendix A.3; ``pretrain.extra_source``): a directory written by
+``python -m data_prep.cross_task`` joins every step at ``extra_source.ratio`` IDC rows : extra
+rows (default (4, 1)). A caption source (CUB) gives pseudo pairs (the image, a zero grid) that
+join the MLM and MVCL batches (FDA with a caption source is not supported yet: no builder writes
+its Retrieve/Replace negatives); a classification source (NABirds) adds its classification,
+contrastive and same-class matching losses to whichever task the step draws. The paper's two
+stages on Birds-to-Words:
+  stage 1  --config=configs/idc_pcl.py:pretrain/birds_to_words --workdir=S1 \
+           --config.pretrain.tasks='("mlm", "mvcl")' --config.pretrain.extra_source.dir=CUB_DIR
+  stage 2  --config=configs/idc_pcl.py:pretrain/birds_to_words --workdir=S2 \
+           --config.pretrain.extra_source.dir=NABIRDS_DIR --config.init_from=S1
+           (every stage-1 parameter carries over, pretraining heads included: pretraining's
+           init_exclude is empty; the new fgvc_ heads start fresh)
+then fine-tune with ``--config.init_from=S2`` (``init_exclude`` drops the pooler and fgvc_).
+
 Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic set):
   finetune/synthetic          the built-in synthetic dataset with a CPU-sized model (hidden 128,
                               4 heads, FFN 256, 2 cross-modal blocks, no dropout), batch 64,
@@ -100,6 +115,28 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
         "fda_batch_size": 28 if dataset in PRETRAIN_SCHEDULE else 16,
         "fda_temperature": 1.0,  # args.tmp (§5.3); MVCL's nce_temp is fixed at 1 (I-Q5)
         "val_batches": 2,  # val batches per task at each validation (the same ones every time)
+        # A.3's cross-task data (changecap_jax/pretrain.py, "Cross-task source"): a directory
+        # of python -m data_prep.cross_task; its meta.json says caption (CUB) or classify
+        # (NABirds). "" = none.
+        "extra_source": ml_collections.ConfigDict({
+            "dir": "",
+            "split": "train",
+            "ratio": (4, 1),  # IDC rows : extra rows per step (A.3: B2W : NABirds = 4 : 1)
+            # Classification sources: pairs per pass (0: one per image, A.3's 48,562) and
+            # the losses added to the drawn task's (paper silent: weights 1).
+            "num_pairs": 0,
+            "classify_weight": 1.0,
+            "contrastive_weight": 1.0,
+            "match_weight": 1.0,
+            # "supcon" (Khosla et al.) or "transfg" (the margin loss of He et al. 2021, A.3's
+            # citation); temperature for supcon (the paper's contrastive tau is 1), margin
+            # for transfg (TransFG's 0.4).
+            "contrastive": "supcon",
+            "temperature": 1.0,
+            "margin": 0.4,
+            "pooling": "mean",  # single-image encoding: "mean" of its regions or "cls"
+            "match_pooling": "cls",  # pair encoding: cat(CLS1, CLS2) or "mean" per image
+        }),
     })
     config.optim.update(schedule="noam", warmup_steps=warmup, weight_decay=0.0, boundaries=())
     if dataset in PRETRAIN_SCHEDULE:
@@ -153,7 +190,9 @@ def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     # CIDEr (clver/eval.py: whitespace tokens, §5.7), ROUGE-L for Birds-to-Words.
     config.eval_protocols = ("coco", "idc")
     config.early_stop_metric = "idc/" + config.early_stop_metric
-    config.init_exclude = ("pooler",)  # finetune.py keeps the pooler's random init (§5.4)
+    # finetune.py keeps the pooler's random init (§5.4); the cross-task heads (fgvc_classifier,
+    # fgvc_matcher) of a pretraining run with a classification source never carry over.
+    config.init_exclude = ("pooler", "fgvc_")
     if stage == "pretrain":
         _pretraining(config, dataset)
         return config

@@ -8,7 +8,9 @@ masked) and FDA (Retrieve and Replace negatives only); NABirds images are paired
 half of the pairs from the same class (:func:`classification_pairs`), for a classification, a
 contrastive and a same-class matching loss. CUB is used in a first pretraining stage, NABirds
 together with Birds-to-Words in the second, at a batch ratio NABirds : Birds-to-Words = 1:4
-(:func:`mixed_batches`).
+(:func:`mixed_batches`). Pretraining reads a built source through
+``config.pretrain.extra_source.dir`` (``changecap_jax/pretrain.py``,
+``changecap_jax/data/extra_source.py``, where :func:`classification_pairs` now lives).
 
     python -m data_prep.cross_task --source=cub --raw_dir=CUB_200_2011 --vocab=vocab.json \\
         --out=DIR (--weights=resnet101.pth | --features_dir=DIR) [--text_dir=text_c10]
@@ -62,6 +64,7 @@ from typing import ClassVar, Generic, TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
 from changecap_jax.data.vocab import Vocabulary, log_unknown_words
 
 FeatureFn = Callable[[Sequence[Path]], np.ndarray]  # image paths -> (N, H, W, C) grids
@@ -332,29 +335,6 @@ def read_nabirds(raw_dir: str | Path) -> Source[ClassificationExample]:
 # ---------------------------------------------------------------------------------------------
 # Pairs and batch mixing
 # ---------------------------------------------------------------------------------------------
-
-
-def classification_pairs(labels: Sequence[int], num_pairs: int, seed: int = 0) -> np.ndarray:
-    """(num_pairs, 3) rows (i, j, same) of random image pairs, the first half from the same
-    class and the rest from different classes (A.3), seeded. Classes with one image cannot
-    give a same-class pair of two different images."""
-    labels = np.asarray(labels)
-    rng = np.random.default_rng(seed)
-    by_class = {c: np.flatnonzero(labels == c) for c in np.unique(labels)}
-    pairable = [c for c, idx in by_class.items() if len(idx) > 1]
-    if not pairable or len(by_class) < 2:
-        raise ValueError("pairs need a class with two images and at least two classes")
-    rows = []
-    for n in range(num_pairs):
-        if n < num_pairs // 2:
-            c = pairable[rng.integers(len(pairable))]
-            i, j = rng.choice(by_class[c], size=2, replace=False)
-        else:
-            i = rng.integers(len(labels))
-            others = np.flatnonzero(labels != labels[i])
-            j = others[rng.integers(len(others))]
-        rows.append((i, j, int(labels[i] == labels[j])))
-    return np.asarray(rows, np.int64)
 
 
 def _check_ratio(ratio: tuple[int, int]) -> tuple[int, int]:

@@ -96,10 +96,13 @@ class PickCaption(grain.transforms.RandomMap):
         return out
 
 
-def sample_loader(samples: PairSamples, *, global_batch_size: int, seed: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.DataLoader:
+def sample_loader(samples: Any, *, global_batch_size: int, seed: int,
+                  process_index: int = 0, process_count: int = 1,
+                  pick_caption: bool = True) -> grain.DataLoader:
     """An endless loader of this process's share of each global batch of samples: a new
-    seeded shuffle every pass, which is the official loader restarted on exhaustion."""
+    seeded shuffle every pass, which is the official loader restarted on exhaustion.
+    ``samples``: :class:`PairSamples` or a cross-task source's (``data/extra_source.py``);
+    ``pick_caption``: draw each visit's caption (sources whose samples have ``captions``)."""
     if global_batch_size % process_count:
         raise ValueError(f"global batch of {global_batch_size} samples is not divisible by "
                          f"the {process_count} processes")
@@ -113,6 +116,6 @@ def sample_loader(samples: PairSamples, *, global_batch_size: int, seed: int,
         shuffle=True, num_epochs=None, seed=seed)
     return grain.DataLoader(
         data_source=samples, sampler=sampler, worker_count=0,
-        operations=[PickCaption(),
+        operations=[*([PickCaption()] if pick_caption else []),
                     grain.transforms.Batch(global_batch_size // process_count,
                                            drop_remainder=True)])

@@ -348,6 +348,12 @@ class PretrainOutput(NamedTuple):
     text_cls: Array  # (B, d) out[:, CLS3], FDA's text vector (unnormalised)
 
 
+class ClassifyOutput(NamedTuple):
+    single: Array  # (B, 2, d) the pooled single-image encodings of img1 and img2
+    class_logits: Array  # (B, 2, K) fgvc_classifier of each
+    match_logits: Array  # (B, 2) fgvc_matcher of the pooled pair encoding: 1 = same class
+
+
 class FinetuneOutput(NamedTuple):
     hidden: Array  # (B, 2N+2+L, d)
     mlm_logits: Array  # (B, L, V) at every text position (the loss keeps label != -1)
@@ -427,6 +433,9 @@ class IDCPCL(nn.Module):
     stop_at_eos: bool = False  # Model.greedy always runs max_len - 1 steps (§5.5)
     word_mask_probability: float = 0.15  # §5.1 mask_sent
     eos_mask_probability: float = 0.15
+    # Cross-task classification source (A.3, changecap_jax/pretrain.py): its class count adds
+    # the fgvc_classifier (d -> K) and fgvc_matcher (2d -> 2) heads to the pretraining model.
+    fgvc_classes: int = 0
 
     # ---- token layout ------------------------------------------------------------------------
 
@@ -489,6 +498,9 @@ class IDCPCL(nn.Module):
         self.pooler_0 = TorchDense(2)
         if self.stage == "pretrain":
             self.feat_regress = FeatRegress(d, self.image_dim)
+            if self.fgvc_classes > 0:
+                self.fgvc_classifier = TorchDense(self.fgvc_classes)
+                self.fgvc_matcher = TorchDense(2)
 
     # ---- embeddings (§5.2) -----------------------------------------------------------------
 
@@ -512,6 +524,12 @@ class IDCPCL(nn.Module):
 
     def image_tokens(self, img1: Array, img2: Array, *, train: bool = False) -> Array:
         """I = pair_encoder([single([CLS1; e1]); single([CLS2; e2])]) (B, 2N+2, d)."""
+        return self.encode_images(img1, img2, train=train)[2]
+
+    def encode_images(self, img1: Array, img2: Array, *,
+                      train: bool = False) -> tuple[Array, Array, Array]:
+        """The single-image encodings [CLS1; img1], [CLS2; img2] (B, N+1, d) and the pair
+        encoding I (B, 2N+2, d)."""
         det = not train
         b = img1.shape[0]
         s1, _ = self.single_img_encoder(
@@ -523,7 +541,7 @@ class IDCPCL(nn.Module):
             deterministic=det,
         )
         out, _ = self.double_img_encoder(jnp.concatenate([s1, s2], 1), deterministic=det)
-        return out
+        return s1, s2, out
 
     # ---- heads -------------------------------------------------------------------------------
 
@@ -550,6 +568,9 @@ class IDCPCL(nn.Module):
         out, _ = self.encoder(x, None, deterministic=det)
         if self.is_initializing():  # the 3d -> 2 pooler exists in the checkpoint; no task uses it
             self.pooler_0(jnp.zeros((1, 3 * self.hidden_dim), out.dtype))
+            if self.fgvc_classes > 0:  # the cross-task heads, called by cross_task_classify
+                self.fgvc_classifier(jnp.zeros((1, self.hidden_dim), out.dtype))
+                self.fgvc_matcher(jnp.zeros((1, 2 * self.hidden_dim), out.dtype))
         img_out = jnp.concatenate([out[:, 1 : 1 + n], out[:, n + 2 : 2 * n + 2]], 1)
         return PretrainOutput(
             hidden=out,
@@ -558,6 +579,32 @@ class IDCPCL(nn.Module):
             visual=(out[:, 0] + out[:, n + 1]) / 2,
             text_cls=out[:, n_img],
         )
+
+    def cross_task_classify(self, img1: Array, img2: Array, *, pooling: str = "mean",
+                            match_pooling: str = "cls", train: bool = False) -> ClassifyOutput:
+        """A.3 FGVC heads on the image difference encoder alone (no text, no cross-modal
+        encoder). ``pooling`` of a single-image encoding: "mean" over its N region outputs
+        (CLS left out) or "cls" (its CLS output); ``match_pooling`` of the pair encoding: "cls"
+        = cat(CLS1, CLS2) outputs (as the fine-tuning pooler) or "mean" = cat(mean of img1's
+        regions, mean of img2's)."""
+        if self.fgvc_classes <= 0:
+            raise ValueError("cross_task_classify needs fgvc_classes > 0 (a classification "
+                             "source's class count)")
+        s1, s2, out = self.encode_images(img1, img2, train=train)
+        n = s1.shape[1] - 1
+        if pooling == "mean":
+            single = jnp.stack([s1[:, 1:].mean(1), s2[:, 1:].mean(1)], 1)
+        elif pooling == "cls":
+            single = jnp.stack([s1[:, 0], s2[:, 0]], 1)
+        else:
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        if match_pooling == "cls":
+            pair = jnp.concatenate([out[:, 0], out[:, n + 1]], -1)
+        elif match_pooling == "mean":
+            pair = jnp.concatenate([out[:, 1 : n + 1].mean(1), out[:, n + 2 :].mean(1)], -1)
+        else:
+            raise ValueError(f"match_pooling must be 'cls' or 'mean', got {match_pooling!r}")
+        return ClassifyOutput(single, self.fgvc_classifier(single), self.fgvc_matcher(pair))
 
     def finetune(
         self, img1: Array, img2: Array, ids: Array, *, train: bool = False
@@ -783,6 +830,40 @@ def mvcl_loss(
     """§5.3 MVCL: the mean of :func:`mvcl_row_losses` over the masked regions."""
     per_row, masked = mvcl_row_losses(regressed, img_mask, img_label, temperature)
     return jnp.sum(per_row) / jnp.sum(masked)
+
+
+def supcon_row_losses(anchors: Array, anchor_labels: Array, anchor_index: Array,
+                      columns: Array, column_labels: Array,
+                      temperature: float = 1.0) -> tuple[Array, Array]:
+    """Supervised contrastive loss (Khosla et al. 2020, L_out) of each anchor: with z the
+    L2-normalised vectors, P(i) the columns of i's label other than i itself and A(i) every
+    column but i, l_i = -1/|P(i)| sum_{p in P(i)} log(exp(z_i.z_p / t) / sum_{a in A(i)}
+    exp(z_i.z_a / t)). ``anchor_index`` (A,) is each anchor's own column (left out of its
+    A(i)); the columns may be a whole (gathered) batch. Returns (l_i, 0 where P(i) is empty;
+    the has-positive mask)."""
+    za = l2_normalize(anchors.astype(jnp.float32))
+    zc = l2_normalize(columns.astype(jnp.float32))
+    logits = za @ zc.T / temperature
+    others = jnp.arange(zc.shape[0])[None, :] != anchor_index[:, None]
+    positive = (anchor_labels[:, None] == column_labels[None, :]) & others
+    log_prob = logits - jax.nn.logsumexp(jnp.where(others, logits, -jnp.inf), -1,
+                                         keepdims=True)
+    count = jnp.sum(positive, -1)
+    per_row = -jnp.sum(jnp.where(positive, log_prob, 0.0), -1) / jnp.maximum(count, 1)
+    return jnp.where(count > 0, per_row, 0.0), count > 0
+
+
+def transfg_row_losses(anchors: Array, anchor_labels: Array, columns: Array,
+                       column_labels: Array, margin: float = 0.4) -> Array:
+    """TransFG's contrastive loss (He et al. 2021, the loss A.3 cites) of each anchor, summed
+    over the columns: with cos the cosine similarity, sum_j [y_i = y_j] (1 - cos_ij) +
+    [y_i != y_j] max(cos_ij - margin, 0); the loss is the sum over anchors / N^2 (N images;
+    the anchor's own column adds 0)."""
+    za = l2_normalize(anchors.astype(jnp.float32))
+    zc = l2_normalize(columns.astype(jnp.float32))
+    cos = za @ zc.T
+    same = anchor_labels[:, None] == column_labels[None, :]
+    return jnp.sum(jnp.where(same, 1.0 - cos, jnp.maximum(cos - margin, 0.0)), -1)
 
 
 def fda_loss(visual: Array, text_cls: Array, group: int = 7, temperature: float = 1.0) -> Array:
