@@ -49,11 +49,14 @@ each process reading its shard and the stream checkpointed as ``data_extra`` (ex
   appended to the MLM or MVCL batch (``pseudo`` marks them) and count like IDC rows in the
   task's global means. MVCL masks only the real image (``region_mask``'s ``real_only``) and
   leaves the empty image's regressions out of the negatives (they are no image's regions; the
-  paper is silent). FDA with a caption source is a PretrainError for now: A.3 uses Retrieve
-  and Replace negatives only, and no builder writes them for a source yet.
-* classify (FGVC, NABirds): pairs of ``classification_pairs`` (half same-class, seeded by
-  ``config.seed``; ``num_pairs`` per pass, default one per image as A.3's 48,562 for 48,562
-  images) in ``extra_*`` fields beside the task's batch. They go through the image difference
+  paper is silent). FDA steps read a second stream ("extra_fda", checkpointed as
+  ``data_extra_fda``) of fda_batch_size * e / p pseudo pairs, each with the 6 negatives of
+  the source's ``<split>_neg_tfidf6.json`` (``data_prep.cross_task --negatives``: 3 Retrieve +
+  3 Replace per image, no Confuse, A.3), grouped with its caption as the IDC pairs are.
+* classify (FGVC, NABirds): a fixed set of ``num_pairs`` pairs made once by
+  ``classification_pairs`` (half same-class, seeded by ``config.seed``; default one pair per
+  image, as A.3 builds 48,562 pairs from NABirds' 48,562 images), reshuffled every pass, in
+  ``extra_*`` fields beside the task's batch. They go through the image difference
   encoder only (no text, no cross-modal encoder) and the step's loss is
   task loss + classify_weight * CE + contrastive_weight * contrastive + match_weight * match.
   What the paper leaves open, each a field of ``extra_source``:
@@ -425,6 +428,15 @@ class ExtraStream:
     rows: int  # global rows per step
     samples: Any  # extra_source.CaptionPseudoPairs or ClassificationPairs
     classify: ClassifyLosses | None  # the FGVC losses (classification sources)
+    # A caption source in FDA: its own stream of pseudo pairs with their negatives, at the
+    # ratio of the FDA batch (0 / None for a classification source: its FDA steps take
+    # ``rows`` of ``samples``).
+    fda_rows: int = 0
+    fda_samples: Any = None
+
+    def stream(self, task: str) -> str:
+        """The iterator a step of ``task`` reads: "extra", or "extra_fda"."""
+        return "extra_fda" if task == "fda" and self.fda_rows else "extra"
 
     def join(self, pairs: dict, extra: dict) -> dict:
         """The drawn task's local batch with this source's local rows."""
@@ -513,12 +525,17 @@ class PretrainTrainer(train.Trainer):
             meta = extra_source.read_meta(cfg.dir)
         except extra_source.ExtraSourceError as e:
             raise PretrainError(str(e)) from e
-        if meta["task"] == extra_source.CAPTION and "fda" in self.tasks:
-            raise PretrainError(
-                f"{Path(cfg.dir) / 'meta.json'}: a caption source (task 'caption') in FDA is not "
-                "supported yet (A.3 needs its Retrieve/Replace negatives, which no builder "
-                "writes yet); leave fda out of config.pretrain.tasks for this stage")
         return meta
+
+    def _extra_rows(self, ratio: tuple[int, ...], idc_rows: int, what: str) -> int:
+        rows, rest = divmod(idc_rows * ratio[1], ratio[0])
+        devices = self.mesh.devices.size
+        if rest or rows <= 0 or rows % devices:
+            raise PretrainError(
+                f"config.pretrain.extra_source.ratio = {ratio}: the step's {idc_rows} IDC rows "
+                f"({what}) give {idc_rows * ratio[1] / ratio[0]:g} extra rows, which must be a "
+                f"positive whole multiple of the {devices} devices")
+        return rows
 
     def _extra_stream(self, cfg: ml_collections.ConfigDict, meta: dict) -> ExtraStream:
         """Opens the source's split and checks it against the dataset and the batch."""
@@ -526,14 +543,9 @@ class PretrainTrainer(train.Trainer):
         if len(ratio) != 2 or not all(isinstance(n, int) and n > 0 for n in ratio):
             raise PretrainError(f"config.pretrain.extra_source.ratio = {ratio}, expected two "
                                 "positive integers IDC rows : extra rows (A.3: (4, 1))")
-        pairs = self.config.batch_size * len(self.streams)
-        rows, rest = divmod(pairs * ratio[1], ratio[0])
-        devices = self.mesh.devices.size
-        if rest or rows % devices:
-            raise PretrainError(
-                f"config.pretrain.extra_source.ratio = {ratio}: the step's {pairs} IDC rows "
-                f"(config.batch_size x pair streams) give {pairs * ratio[1] / ratio[0]:g} extra "
-                f"rows, which must be a whole multiple of the {devices} devices")
+        rows = self._extra_rows(ratio, self.config.batch_size * len(self.streams),
+                                "config.batch_size x pair streams")
+        fda_rows, fda_samples = 0, None
         try:
             source = extra_source.open_source(cfg.dir, cfg.get("split", "train"))
         except extra_source.ExtraSourceError as e:
@@ -555,6 +567,13 @@ class PretrainTrainer(train.Trainer):
                                     "its batches)")
             try:
                 samples: Any = extra_source.CaptionPseudoPairs(source, length)
+                if "fda" in self.tasks:
+                    fda_rows = self._extra_rows(ratio, self.batch_sizes["fda"],
+                                                "config.pretrain.fda_batch_size")
+                    path = negatives.negatives_path(cfg.dir, source.split)
+                    fda_samples = extra_source.CaptionPseudoPairs(
+                        source, length, negatives=self._source_negatives(path),
+                        vocab=self.dataset.vocab, origin=str(path))
             except extra_source.ExtraSourceError as e:
                 raise PretrainError(str(e)) from e
         else:
@@ -571,17 +590,35 @@ class PretrainTrainer(train.Trainer):
                                     f"'labels': {e}") from e
             samples = extra_source.ClassificationPairs(source, chosen)
             classify = _classify_losses(cfg)
-        if len(samples) < rows:
+        if len(samples) < max(rows, fda_rows):
             raise PretrainError(f"{meta_path}: split {source.split!r} gives {len(samples)} "
-                                f"rows, fewer than the {rows} extra rows per step")
-        return ExtraStream(source.task, rows, samples, classify)
+                                f"rows, fewer than the {max(rows, fda_rows)} extra rows per "
+                                "step")
+        return ExtraStream(source.task, rows, samples, classify, fda_rows, fda_samples)
 
-    def extra_loader(self) -> grain.DataLoader:
-        """The extra source's endless stream, this process's share of each step's rows."""
+    def _source_negatives(self, path: Path) -> dict:
+        """(image_id, True) -> the FDA negatives of a caption source's pseudo pairs."""
+        if not path.exists():
+            raise PretrainError(
+                f"{path} does not exist: FDA with a caption source reads each image's "
+                "Retrieve/Replace negatives from it (A.3). Rebuild the source with "
+                "python -m data_prep.cross_task --source=cub ... --negatives, or leave fda out "
+                "of config.pretrain.tasks")
+        try:
+            return negatives.negatives_by_pair(negatives.load_negatives(path))
+        except negatives.NegativesFileError as e:
+            raise PretrainError(str(e)) from e
+
+    def extra_loader(self, stream: str = "extra") -> grain.DataLoader:
+        """An endless stream of the extra source ("extra", or "extra_fda": the pseudo pairs
+        with negatives of FDA steps), this process's share of each step's rows."""
         assert self.extra is not None
-        seed = int(np.random.SeedSequence([self.config.seed, len(TASKS)]).generate_state(1)[0])
-        return sample_loader(self.extra.samples, global_batch_size=self.extra.rows, seed=seed,
-                             process_index=jax.process_index(),
+        fda = stream == "extra_fda"
+        seed = int(np.random.SeedSequence([self.config.seed, len(TASKS) + fda])
+                   .generate_state(1)[0])
+        return sample_loader(self.extra.fda_samples if fda else self.extra.samples,
+                             global_batch_size=self.extra.fda_rows if fda else self.extra.rows,
+                             seed=seed, process_index=jax.process_index(),
                              process_count=jax.process_count(),
                              pick_caption=self.extra.task == extra_source.CAPTION)
 
@@ -589,14 +626,18 @@ class PretrainTrainer(train.Trainer):
         """This process's rows of the next step of ``task`` (with the extra source's)."""
         batch = next(iterators[task])
         if self.extra is not None:
-            batch = self.extra.join(batch, next(iterators["extra"]))
+            batch = self.extra.join(batch, next(iterators[self.extra.stream(task)]))
         return batch
 
+    def extra_streams(self) -> tuple[str, ...]:
+        if self.extra is None:
+            return ()
+        return ("extra", "extra_fda") if self.extra.fda_rows else ("extra",)
+
     def iterators(self) -> dict[str, Any]:
-        """Each task's stream and, with an extra source, its stream as ``extra``."""
+        """Each task's stream and the extra source's ("extra", "extra_fda")."""
         iterators = {t: iter(self.task_loader(t)) for t in self.tasks}
-        if self.extra is not None:
-            iterators["extra"] = iter(self.extra_loader())
+        iterators.update({s: iter(self.extra_loader(s)) for s in self.extra_streams()})
         return iterators
 
     # -- data ---------------------------------------------------------------------------------
@@ -655,7 +696,7 @@ class PretrainTrainer(train.Trainer):
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         # The state (what fine-tuning's init_from reads) and one data iterator per task.
-        extra = ("data_extra",) if self.extra is not None else ()
+        extra = tuple(f"data_{s}" for s in self.extra_streams())
         return train.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
             ("state", *(f"data_{t}" for t in self.tasks), *extra))

@@ -25,12 +25,12 @@ resumes exactly.
 Cross-task data (paper §2.4, appendix A.3; ``pretrain.extra_source``): a directory written by
 ``python -m data_prep.cross_task`` joins every step at ``extra_source.ratio`` IDC rows : extra
 rows (default (4, 1)). A caption source (CUB) gives pseudo pairs (the image, a zero grid) that
-join the MLM and MVCL batches (FDA with a caption source is not supported yet: no builder writes
-its Retrieve/Replace negatives); a classification source (NABirds) adds its classification,
+join the MLM, MVCL and FDA batches (FDA needs the source built with ``--negatives``: 3 Retrieve
++ 3 Replace per image); a classification source (NABirds) adds its classification,
 contrastive and same-class matching losses to whichever task the step draws. The paper's two
 stages on Birds-to-Words:
   stage 1  --config=configs/idc_pcl.py:pretrain/birds_to_words --workdir=S1 \
-           --config.pretrain.tasks='("mlm", "mvcl")' --config.pretrain.extra_source.dir=CUB_DIR
+           --config.pretrain.extra_source.dir=CUB_DIR
   stage 2  --config=configs/idc_pcl.py:pretrain/birds_to_words --workdir=S2 \
            --config.pretrain.extra_source.dir=NABIRDS_DIR --config.init_from=S1
            (every stage-1 parameter carries over, pretraining heads included: pretraining's
@@ -122,7 +122,7 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
             "dir": "",
             "split": "train",
             "ratio": (4, 1),  # IDC rows : extra rows per step (A.3: B2W : NABirds = 4 : 1)
-            # Classification sources: pairs per pass (0: one per image, A.3's 48,562) and
+            # Classification sources: how many fixed pairs (0: one per image, as A.3) and
             # the losses added to the drawn task's (paper silent: weights 1).
             "num_pairs": 0,
             "classify_weight": 1.0,

@@ -13,7 +13,8 @@ together with Birds-to-Words in the second, at a batch ratio NABirds : Birds-to-
 ``changecap_jax/data/extra_source.py``, where :func:`classification_pairs` now lives).
 
     python -m data_prep.cross_task --source=cub --raw_dir=CUB_200_2011 --vocab=vocab.json \\
-        --out=DIR (--weights=resnet101.pth | --features_dir=DIR) [--text_dir=text_c10]
+        --out=DIR (--weights=resnet101.pth | --features_dir=DIR) [--text_dir=text_c10] \\
+        [--negatives [--negatives_seed=0] [--pos=lexicon]]
     python -m data_prep.cross_task --source=nabirds --raw_dir=nabirds --out=DIR \\
         (--weights=resnet101.pth | --features_dir=DIR) [--vocab=vocab.json]
 
@@ -515,6 +516,46 @@ def _text_arrays(source: Source, vocab: Vocabulary | None, max_len: int | None,
     return out, int(ids.shape[-1])
 
 
+CAPTION_NEGATIVE_KINDS = ("retrieve", "replace")  # A.3: no Confuse for single-image captions
+CAPTION_NEGATIVES_PER_KIND = 3  # 6 per image, the FDA group size of the IDC pairs
+
+
+def caption_negatives(source: Source, vocab: Vocabulary, *, seed: int = 0,
+                      pos: str = "lexicon", progress: bool = False) -> dict[str, list[dict]]:
+    """A.3's FDA negatives of a caption source, per split: each image is a pseudo pair whose
+    references are its captions, with 3 Retrieve and 3 Replace negatives (no Confuse: a
+    single-image caption describes no difference) made by ``data_prep.hard_negatives`` (TF-IDF
+    fitted on the train captions; records in its file format, ``img2`` = ``cub_semantic_<id>``).
+    Captions the tokeniser rejects are left out of the references."""
+    from changecap_jax.data.vocab import CaptionError
+    from data_prep import hard_negatives as hn
+
+    pairs: dict[str, list] = {}
+    for split in sorted({e.split for e in source.examples}):
+        rows = []
+        for e in source.split(split):
+            refs = []
+            for text in e.captions:
+                try:
+                    tokens = tuple(vocab.tokenize(text)[1:-1])
+                except CaptionError:
+                    continue
+                if hn.caption_key(tokens):
+                    refs.append(hn.Caption(text, tokens))
+            if not refs:
+                raise ValueError(f"image {e.image_id} ({e.image_path}) has no caption the "
+                                 "tokeniser accepts, so no FDA negatives")
+            rows.append(hn.Pair(e.image_id, True, refs))
+        pairs[split] = rows
+    if "train" not in pairs:
+        raise ValueError("FDA negatives need a train split (TF-IDF is fitted on it)")
+    made = hn.negatives_for_pairs(pairs, source.name, vocab.tokenizer, vocab.tokenize,
+                                  splits=sorted(pairs), seed=seed, pos=pos,
+                                  kinds=CAPTION_NEGATIVE_KINDS,
+                                  per_kind=CAPTION_NEGATIVES_PER_KIND, progress=progress)
+    return made.records
+
+
 def _write_features(path: Path, images: Sequence[Path], feature_fn: FeatureFn,
                     batch_size: int, dtype: str, desc: str, progress: bool) -> tuple[int, ...]:
     """Streams the grids of ``images`` into a (N, H, W, C) ``.npy``; returns (H, W, C)."""
@@ -547,11 +588,14 @@ def _write_features(path: Path, images: Sequence[Path], feature_fn: FeatureFn,
 def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
                  vocab: Vocabulary | None = None, max_len: int | None = None,
                  batch_size: int = 64, feature_dtype: str = "float16",
-                 progress: bool = True) -> Path:
+                 progress: bool = True, negatives: bool = False, negatives_seed: int = 0,
+                 pos: str = "lexicon") -> Path:
     """Writes ``out`` (layout in the module docstring) through a temporary sibling directory
     renamed into place at the end, so ``out`` is complete or absent; returns it. CUB needs
     ``vocab``; with NABirds it adds the label names' tokens. The texts are encoded before the
-    features are extracted, so a text error costs no extraction."""
+    features are extracted, so a text error costs no extraction. ``negatives`` (caption
+    sources): also ``<split>_neg_tfidf6.json`` of :func:`caption_negatives` (``pos``: the
+    word classes' tagger, as ``data_prep.hard_negatives --pos``), for FDA pretraining."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
@@ -559,9 +603,13 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
         raise ValueError("a captioning source needs a vocabulary (--vocab)")
     if not source.examples:
         raise ValueError(f"source {source.name!r} has no example")
+    if negatives and source.task != "caption":
+        raise ValueError("FDA negatives are made for caption sources only (A.3)")
     unknown: dict[str, int] = {}
     texts, text_length = _text_arrays(source, vocab, max_len, unknown)
     log_unknown_words(unknown, f"{source.name} texts")
+    negative_records = (caption_negatives(source, vocab, seed=negatives_seed, pos=pos,
+                                          progress=progress) if negatives and vocab else {})
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -576,12 +624,20 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
                      labels=np.array([e.label_id for e in chosen], np.int32),
                      **texts.get(split, {}))
             counts[split] = len(chosen)
+            if split in negative_records:
+                from changecap_jax.data.negatives import negatives_path
+                from data_prep.hard_negatives import write_negatives
+
+                write_negatives(negative_records[split], negatives_path(tmp, split))
         meta = {"source": source.name, "task": source.task, "splits": counts,
                 "feature_shape": list(shape or ()), "feature_dtype": feature_dtype,
                 "vocab_size": len(vocab) if vocab else None,
                 "tokenizer": vocab.tokenizer if vocab else None,
                 "text_length": text_length,
                 "unknown_words": sum(unknown.values()),
+                "negatives": ({"kinds": list(CAPTION_NEGATIVE_KINDS),
+                               "per_kind": CAPTION_NEGATIVES_PER_KIND, "seed": negatives_seed}
+                              if negative_records else None),
                 "labels": [dataclasses.asdict(label) for label in source.labels]}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if out.exists():
@@ -634,6 +690,11 @@ def _define_flags() -> None:
     flags.DEFINE_string("split_file", None, "CUB: another file in train_test_split.txt form.")
     flags.DEFINE_integer("captions_per_image", 10, "CUB: captions each text file must hold "
                          "(0: any).", lower_bound=0)
+    flags.DEFINE_boolean("negatives", False, "CUB: also write <split>_neg_tfidf6.json, 3 "
+                         "Retrieve + 3 Replace FDA negatives per image (A.3).")
+    flags.DEFINE_integer("negatives_seed", 0, "Seed of the negatives.")
+    flags.DEFINE_enum("pos", "lexicon", ["auto", "spacy", "lexicon"], "Word classes' tagger "
+                      "for Replace (as data_prep.hard_negatives --pos).")
     flags.DEFINE_integer("max_len", 0, "Token cap with <START>/<END> (0: the longest text).",
                          lower_bound=0)
 
@@ -649,6 +710,8 @@ def _vocab_tokenizer(vocab_path: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
     from absl import app, flags
+
+    from data_prep.hard_negatives import HardNegativeError
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -669,8 +732,9 @@ def main(argv: Sequence[str]) -> None:
         else:
             feature_fn = npy_feature_fn(f.features_dir, Path(f.raw_dir) / "images")
         out = build_source(source, feature_fn, f.out, vocab=vocab, max_len=f.max_len or None,
-                           batch_size=f.batch_size, feature_dtype=f.feature_dtype)
-    except (LayoutError, OSError, ValueError) as e:  # OSError: files, images
+                           batch_size=f.batch_size, feature_dtype=f.feature_dtype,
+                           negatives=f.negatives, negatives_seed=f.negatives_seed, pos=f.pos)
+    except (LayoutError, OSError, ValueError, HardNegativeError) as e:  # OSError: files, images
         sys.exit(f"error: {e}")
     sizes = ", ".join(f"{len(source.split(s))} {s}" for s in ("train", "test"))
     print(f"{f.source}: {len(source.examples)} images ({sizes}), {len(source.labels)} classes"

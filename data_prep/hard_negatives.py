@@ -508,8 +508,11 @@ def confuse_rewrites(
 
 def pair_negatives(
     pair: Pair, neighbours: np.ndarray, pool: Pool, rw: Rewriter, rng: np.random.Generator,
+    kinds: Sequence[str] = KINDS, per_kind: int = NUM_PER_KIND,
 ) -> tuple[list[str], list[str], list[int]]:
-    """The 6 negatives of one pair, their kind labels, and the replaced-word counts."""
+    """The ``per_kind`` negatives of each of ``kinds`` of one pair (6 by default), their kind
+    labels, and the replaced-word counts. ``kinds`` starts with "retrieve" (the fallback);
+    A.3's caption sources use ("retrieve", "replace") with 3 each."""
     used = {ref.key for ref in pair.references}
     fresh: Iterator[int] = (int(i) for i in neighbours)
 
@@ -522,35 +525,38 @@ def pair_negatives(
 
     slots: dict[str, list[tuple[str, str]]] = {}
     retrieved = []
-    for _ in range(NUM_PER_KIND):
+    for _ in range(per_kind):
         text = next_retrieved()
         if text is not None:
             retrieved.append((text, "retrieve"))
     slots["retrieve"] = retrieved
-    replaced = replace_rewrites(pair.references, rw, rng, used)
+    replaced = (replace_rewrites(pair.references, rw, rng, used, per_kind)
+                if "replace" in kinds else [])
     slots["replace"] = [(t, "replace") for t, _ in replaced]
-    slots["confuse"] = confuse_rewrites(pair.references, neighbours, pool, rw, rng, used)
-    for kind in KINDS[1:]:  # fallback: the next retrieve neighbours
-        while len(slots[kind]) < NUM_PER_KIND:
+    if "confuse" in kinds:
+        slots["confuse"] = confuse_rewrites(pair.references, neighbours, pool, rw, rng, used,
+                                            per_kind)
+    for kind in kinds[1:]:  # fallback: the next retrieve neighbours
+        while len(slots[kind]) < per_kind:
             text = next_retrieved()
             if text is None:
                 break
             slots[kind].append((text, f"retrieve-for-{kind}"))
-    made = [x for kind in KINDS for x in slots[kind]]
+    made = [x for kind in kinds for x in slots[kind]]
     if not made:
         raise HardNegativeError(
             f"pair {pair.image_id!r} ({'semantic' if pair.semantic else 'no-change'}) has no "
             "possible negative: its split has no other caption")
-    negatives, kinds = [], []
-    for kind in KINDS:
-        for j in range(NUM_PER_KIND):
+    negatives, labels = [], []
+    for kind in kinds:
+        for j in range(per_kind):
             if j < len(slots[kind]):
                 text, label = slots[kind][j]
             else:  # too few distinct captions in the split: repeat one
                 text, label = made[len(negatives) % len(made)][0], f"repeat-for-{kind}"
             negatives.append(text)
-            kinds.append(label)
-    return negatives, kinds, [n for _, n in replaced]
+            labels.append(label)
+    return negatives, labels, [n for _, n in replaced]
 
 
 # ----------------------------------------------------------------------------- driver
@@ -623,9 +629,14 @@ def negatives_for_pairs(
     pos: str = "auto", spacy_model: str | None = None, min_df: int = 10,
     classes: wc.WordClasses | None = None, progress: bool = False,
     skipped: dict[str, collections.Counter] | None = None,
+    kinds: Sequence[str] = KINDS, per_kind: int = NUM_PER_KIND,
 ) -> HardNegatives:
     """The negatives of ``pairs[split]`` for each of ``splits``; ``pairs["train"]`` fits the
-    TF-IDF and the word classes (see :func:`generate`)."""
+    TF-IDF and the word classes (see :func:`generate`); ``kinds`` / ``per_kind`` as
+    :func:`pair_negatives`."""
+    if not kinds or kinds[0] != "retrieve" or set(kinds) - set(KINDS) or per_kind < 1:
+        raise ValueError(f"kinds {tuple(kinds)} must start with 'retrieve' and be among "
+                         f"{KINDS}; per_kind {per_kind} >= 1")
     train_refs = [ref for pair in pairs["train"] for ref in pair.references]
     tfidf = TfIdf(ref.key for ref in train_refs)
     if classes is None:
@@ -644,13 +655,14 @@ def negatives_for_pairs(
         out, labels, replaced = [], collections.Counter(), []
         for n, pair in enumerate(_progress(split_pairs, progress, f"negatives {split}")):
             rng = np.random.default_rng([seed, zlib.crc32(split.encode()), n])
-            negs, kinds, counts = pair_negatives(pair, neighbours[n], pool, rewriter, rng)
-            labels.update(kinds)
+            negs, made, counts = pair_negatives(pair, neighbours[n], pool, rewriter, rng,
+                                                kinds, per_kind)
+            labels.update(made)
             replaced.extend(counts)
             img1, img2 = image_names(dataset, pair.image_id, pair.semantic)
             out.append({"img1": img1, "img2": img2,
                         "sentences": [ref.text for ref in pair.references],
-                        "neg_samples": negs, "image_id": pair.image_id, "neg_kinds": kinds})
+                        "neg_samples": negs, "image_id": pair.image_id, "neg_kinds": made})
         records[split] = out
         lengths = [len(ref.key) for pair in split_pairs for ref in pair.references]
         summary["splits"][split] = {

@@ -19,21 +19,34 @@ import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_cross_task_sources import write_cub, write_nabirds
+from test_cross_task_sources import COLOURS, CUB_IMAGES, cub_relative, write_cub, write_nabirds
 from train_helpers import SMALL, tiny_run
 
 from changecap_jax import parallel, pretrain, train
-from changecap_jax.data import datasets, extra_source, pipeline
+from changecap_jax.data import datasets, extra_source, negatives, pipeline
 from changecap_jax.models import idc_pcl
 from data_prep import cross_task as ct
+from data_prep import hard_negatives
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import idc_pcl as idc_config  # noqa: E402
 
 GRID = SMALL["feature_shape"]  # (4, 4, 16): the IDC dataset's grids
-TASKS = ("mlm", "mvcl")
-STEPS, INTERRUPT = 4, 2
+TASKS = pretrain.TASKS
+STEPS, INTERRUPT = 6, 3
+
+
+def _seed_with_every_task_in_both_halves() -> int:
+    p = pretrain.task_probabilities(TASKS, (8, 1, 2))
+    for seed in range(10_000):
+        draws = [pretrain.draw_task(seed, t, TASKS, p) for t in range(1, STEPS + 1)]
+        if set(draws[:INTERRUPT]) == set(draws[INTERRUPT:]) == set(TASKS):
+            return seed
+    raise AssertionError("no such seed")
+
+
+SEED = _seed_with_every_task_in_both_halves()
 
 
 def random_grids(shape):
@@ -44,21 +57,36 @@ def random_grids(shape):
     return features
 
 
+def write_cub_one_colour_per_image(root: Path) -> Path:
+    """The CUB fixture with one crown colour per image, so a Replace negative (another colour)
+    is never one of the image's own captions (the shared fixture cycles every colour through
+    every image's captions)."""
+    raw = write_cub(root)
+    for n in CUB_IMAGES:
+        colour = COLOURS[n % len(COLOURS)]
+        (raw / "text_c10" / Path(cub_relative(n)).with_suffix(".txt")).write_text("".join(
+            f"image{n} bird has a {colour} crown, pose{k}.\n" for k in range(10)))
+    return raw
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """The SMALL synthetic IDC set, a CUB source (its grids and vocabulary) and a NABirds
     source ((2, 2, 16) grids: only the channels must match the model)."""
     root = tmp_path_factory.mktemp("cross_task")
     dataset = datasets.prepare("synthetic", root / "idc", "moderate", SMALL)
+    made = hard_negatives.generate(dataset, seed=0, pos="lexicon", splits=("train",))
+    hard_negatives.write_negatives(made.records["train"],
+                                   negatives.negatives_path(dataset.directory, "train"))
     length = dataset.split("train")[0]["change_caption_ids"].shape[-1]
-    cub = ct.build_source(ct.read_cub(write_cub(root)), random_grids(GRID),
-                          root / "sources" / "cub",
-                          vocab=dataset.vocab, max_len=length, feature_dtype="float32",
-                          progress=False)
+    cub = ct.build_source(ct.read_cub(write_cub_one_colour_per_image(root)), random_grids(GRID),
+                          root / "sources" / "cub", vocab=dataset.vocab, max_len=length,
+                          feature_dtype="float32", progress=False, negatives=True)
     nabirds = ct.build_source(ct.read_nabirds(write_nabirds(root)),
                               random_grids((2, 2, GRID[-1])), root / "sources" / "nabirds",
                               feature_dtype="float32", progress=False)
-    return {"idc": str(root / "idc"), "cub": str(cub), "nabirds": str(nabirds)}
+    return {"idc": str(root / "idc"), "cub": str(cub), "nabirds": str(nabirds),
+            "vocab": dataset.vocab}
 
 
 def tiny_config(data: dict, source: str, batch_size: int, **extra) -> ml_collections.ConfigDict:
@@ -66,15 +94,17 @@ def tiny_config(data: dict, source: str, batch_size: int, **extra) -> ml_collect
     config.model.update(hidden_dim=16, num_heads=2, ffn_dim=32, cross_layers=1,
                         image_dim=GRID[-1])
     config = tiny_run(config, data["idc"], batch_size=batch_size, num_train_steps=STEPS,
-                      checkpoint_every_steps=INTERRUPT, eval_every_steps=1000)
-    config.pretrain.update(tasks=TASKS, val_batches=0)
+                      checkpoint_every_steps=INTERRUPT, eval_every_steps=1000, seed=SEED)
+    config.pretrain.update(tasks=TASKS if source == "cub" else ("mlm",),
+                           fda_batch_size=8, val_batches=0)
     config.pretrain.extra_source.update(dir=data[source], **extra)
     return config
 
 
 @pytest.fixture(scope="module")
 def caption_trainer(data, tmp_path_factory):
-    # 8 examples = 16 pairs per step and 4 pseudo pairs (of CUB's 6 train images) at 4:1.
+    # 8 examples = 16 pairs per MLM/MVCL step and 4 pseudo pairs (of CUB's 6 train images) at
+    # 4:1; FDA steps 8 pairs and 2 pseudo pairs, each with 6 negatives.
     return pretrain.PretrainTrainer(tiny_config(data, "cub", 8),
                                     tmp_path_factory.mktemp("cub_run"),
                                     mesh=parallel.make_mesh(1))
@@ -185,10 +215,13 @@ def test_pseudo_pairs_have_a_zero_second_image_that_mvcl_never_masks(caption_tra
 
 def test_batches_follow_the_ratio(caption_trainer, classify_trainer):
     its = caption_trainer.iterators()
-    for task in TASKS:
+    for task, (pairs, extra) in (("mlm", (16, 4)), ("mvcl", (16, 4)), ("fda", (8, 2))):
         batch = caption_trainer.host_batch(task, its)
-        assert batch["ids"].shape[0] == 20 and batch["pseudo"].tolist() == [False] * 16 + [True] * 4
-        assert not np.any(batch["img2"][16:]) and np.all(np.any(batch["img2"][:16], (1, 2, 3)))
+        assert batch["pseudo"].tolist() == [False] * pairs + [True] * extra, task
+        assert batch["ids"].shape[0] == pairs + extra
+        assert not np.any(batch["img2"][pairs:])
+        assert np.all(np.any(batch["img2"][:pairs], (1, 2, 3)))
+    assert batch["negatives"].shape == (10, 6, batch["ids"].shape[1])
     its = classify_trainer.iterators()
     batch = classify_trainer.host_batch("mlm", its)
     assert batch["ids"].shape[0] == 32
@@ -201,22 +234,56 @@ def test_batches_follow_the_ratio(caption_trainer, classify_trainer):
     assert classify_trainer.extra.samples.pairs[:, 2].tolist() == [1] * 8 + [0] * 8
 
 
+def test_caption_source_fda_negatives_are_retrieve_and_replace(caption_trainer, data):
+    """A.3: 6 negatives per CUB image, Retrieve and Replace only, none a caption of the image,
+    joined to each pseudo pair and encoded as the IDC pairs' negatives."""
+    path = negatives.negatives_path(data["cub"], "train")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    source = extra_source.open_source(data["cub"])
+    assert [r["image_id"] for r in records] == source.image_ids.tolist()
+    kinds = [k for r in records for k in r["neg_kinds"]]
+    assert {k.split("-")[0] for k in kinds} <= {"retrieve", "replace", "repeat"}
+    assert "replace" in kinds and "retrieve" in kinds and not any("confuse" == k for k in kinds)
+    for r in records:
+        assert len(r["neg_samples"]) == 6 and not set(r["neg_samples"]) & set(r["sentences"])
+    meta = json.loads((Path(data["cub"]) / "meta.json").read_text())
+    assert meta["negatives"]["kinds"] == ["retrieve", "replace"]
+    fda = caption_trainer.extra.fda_samples
+    length = caption_trainer.samples("mlm", "train")[0]["captions"].shape[-1]
+    for i in (0, 5):
+        want = [data["vocab"].encode(t, length, allow_unk=True, truncate=True)
+                for t in records[i]["neg_samples"]]
+        np.testing.assert_array_equal(fda[i]["negatives"], np.stack(want))
+
+
 # ---- classification source: 8 devices = 1 ----------------------------------------------------
 
 
-def test_eight_devices_equal_one_with_a_classification_source(classify_trainer):
+@pytest.fixture(scope="module")
+def classify_update(classify_trainer):
+    """The 1-device MLM step with a classification source, returning the gradients too;
+    compiled once for the 8 = 1 check and the runs below."""
+    trainer = classify_trainer
+    return pretrain.make_task_step(trainer.model, "mlm", trainer.optimizer, trainer.mesh,
+                                   trainer.schedule, classify=trainer.extra.classify,
+                                   with_grads=True)
+
+
+def test_eight_devices_equal_one_with_a_classification_source(classify_trainer,
+                                                               classify_update):
     trainer = classify_trainer
     assert jax.device_count() >= 8 and trainer.config.model.dropout_rate == 0.0
     assert trainer.model.fgvc_classes == 4  # NABirds fixture: 4 classes used
     initial = jax.device_get(trainer.init_state())
     host = trainer.host_batch("mlm", trainer.iterators())
     step = trainer.config.optim.warmup_steps
+    eight = parallel.make_mesh(8)
+    updates = {1: (trainer.mesh, classify_update),
+               8: (eight, pretrain.make_task_step(
+                   trainer.model, "mlm", trainer.optimizer, eight, trainer.schedule,
+                   classify=trainer.extra.classify, with_grads=True))}
     results = []
-    for devices in (1, 8):
-        mesh = parallel.make_mesh(devices)
-        update = pretrain.make_task_step(trainer.model, "mlm", trainer.optimizer, mesh,
-                                         trainer.schedule, classify=trainer.extra.classify,
-                                         with_grads=True)
+    for mesh, update in updates.values():
         new, metrics, grads = update(_on(mesh, initial, step), pipeline.to_global(
             host, parallel.batch_sharding(mesh)))
         results.append(jax.device_get((new.params, grads, metrics)))
@@ -252,52 +319,147 @@ def test_eight_devices_equal_one_with_a_classification_source(classify_trainer):
             "double_img_encoder", "encoder"} <= compared
 
 
-# ---- a run: resume, stages -------------------------------------------------------------------
+# ---- caption source: an MVCL step with pseudo pairs ------------------------------------------
 
 
-def _sibling(trainer, workdir, **overrides):
+def mvcl_numpy(regressed, mask, true, empty) -> float:
+    """§5.3 MVCL in float64 with A.3's pseudo pairs: each masked region's regression against
+    the true features of every masked region and the regressions at every unmasked region
+    that is not an empty image's; CE to its own target, mean over the masked regions."""
+    def unit(x):  # as F.normalize: an empty image's zero features stay zero
+        x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    pred, true = unit(regressed), unit(true)
+    mask, empty = np.asarray(mask).reshape(-1), np.asarray(empty).reshape(-1)
+    losses = []
+    for r in np.flatnonzero(mask):
+        logits = np.concatenate([true[mask] @ pred[r], pred[~mask & ~empty] @ pred[r]])
+        top = logits.max()
+        losses.append(top + np.log(np.exp(logits - top).sum()) - pred[r] @ true[r])
+    return float(np.mean(losses))
+
+
+def test_mvcl_step_with_pseudo_pairs(caption_trainer):
+    trainer, step = caption_trainer, 5
+    host = trainer.host_batch("mvcl", trainer.iterators())
+    initial = jax.device_get(trainer.init_state())
+    _, metrics = trainer.task_steps["mvcl"](_on(trainer.mesh, initial, step),
+                                            pipeline.to_global(host, trainer.data_sharding))
+    samples, n = len(host["ids"]), GRID[0] * GRID[1]
+    keys = pretrain.sample_keys(jax.random.fold_in(jax.random.fold_in(initial.rng, step),
+                                                   train.INPUTS_FOLD), np.arange(samples))
+    mask = np.asarray(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n))(
+        keys, real_only=host["pseudo"]))
+    assert not mask[host["pseudo"], n:].any()
+    t1, t2 = (host[k].reshape(samples, n, -1).astype(np.float32) for k in ("img1", "img2"))
+    out = trainer.model.apply({"params": initial.params},  # eager: no compile
+                              np.where(mask[:, :n, None], 0.0, t1).reshape(host["img1"].shape),
+                              np.where(mask[:, n:, None], 0.0, t2).reshape(host["img2"].shape),
+                              host["ids"], method="pretrain")
+    empty = np.zeros_like(mask)
+    empty[host["pseudo"], n:] = True
+    true = np.concatenate([t1, t2], 1)
+    want = mvcl_numpy(out.regressed, mask, true, empty)
+    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5)
+    # The empty images' regressions are left out: with them the loss differs.
+    assert want != pytest.approx(mvcl_numpy(out.regressed, mask, true, np.zeros_like(mask)),
+                                 rel=1e-4)
+
+
+# ---- resume, stages --------------------------------------------------------------------------
+
+
+def _sibling(trainer, workdir, steps: dict | None = None, **overrides):
     config = ml_collections.ConfigDict(trainer.config.to_dict())
     config.update(overrides)
     other = pretrain.PretrainTrainer(config, workdir, mesh=trainer.mesh)
-    other.task_steps, other.task_losses = trainer.task_steps, trainer.task_losses
+    other.task_steps = steps or trainer.task_steps
     other.init_state = trainer.init_state
     return other
 
 
-def test_resume_continues_the_extra_stream_exactly(caption_trainer, classify_trainer,
-                                                    tmp_path):
-    full = _sibling(caption_trainer, tmp_path / "full")
-    full.train()
-    _sibling(caption_trainer, tmp_path / "resumed", num_train_steps=INTERRUPT).train()
-    saved = tmp_path / "resumed" / "checkpoints" / str(INTERRUPT)
-    assert {"state", "data_mlm", "data_mvcl", "data_extra"} <= {p.name for p in saved.iterdir()}
-    second = _sibling(caption_trainer, tmp_path / "resumed")
+@pytest.fixture(scope="module")
+def classify_run(classify_trainer, classify_update, tmp_path_factory):
+    """An uninterrupted run with the classification source (the compiled step reused)."""
+    steps = {"mlm": lambda state, batch: classify_update(state, batch)[:2]}
+    run = _sibling(classify_trainer, tmp_path_factory.mktemp("full"), steps)
+    run.train()
+    return run, steps
+
+
+def test_resume_continues_the_extra_stream_exactly(classify_trainer, classify_run, tmp_path):
+    full, steps = classify_run
+    _sibling(classify_trainer, tmp_path, steps, num_train_steps=INTERRUPT).train()
+    saved = tmp_path / "checkpoints" / str(INTERRUPT)
+    assert {"state", "data_mlm", "data_extra"} <= {p.name for p in saved.iterdir()}
+    second = _sibling(classify_trainer, tmp_path, steps)
     second.train()
     assert [s for s, _ in second.history] == list(range(INTERRUPT + 1, STEPS + 1))
     for (step, got), (_, want) in zip(second.history, full.history[INTERRUPT:], strict=True):
         got.pop("steps_per_second"), want.pop("steps_per_second")
+        assert "mlm/fgvc_contrastive" in got
         assert got == want, step  # bit-identical
-    # A different extra stream would change the losses: the resumed stream is the real one.
-    other = _sibling(caption_trainer, tmp_path / "other", seed=caption_trainer.config.seed + 1)
-    its, want_its = other.iterators(), full.iterators()
-    assert not np.array_equal(next(its["extra"])["img1"], next(want_its["extra"])["img1"])
-    # Stage 2 from stage 1 (pretraining -> pretraining): everything carries over, the
-    # pretraining heads included; the classification heads start fresh.
-    fresh = classify_trainer.init_state().params
-    stage2 = train.init_params_from(fresh, tmp_path / "full",
-                                    tuple(classify_trainer.config.init_exclude))
-    stage1 = full.init_state()  # the same init function: compare against the checkpoint
-    restored = train.init_params_from(stage1.params, tmp_path / "full")
-    for part in ("feat_regress", "pooler_0", "word_embedding", "encoder"):
-        for a, b in zip(jax.tree_util.tree_leaves(stage2[part]),
-                        jax.tree_util.tree_leaves(restored[part]), strict=True):
+    # Another seed gives other pairs: the comparison above can tell the streams apart.
+    other = _sibling(classify_trainer, tmp_path / "other", steps,
+                     seed=classify_trainer.config.seed + 1)
+    assert not np.array_equal(next(other.iterators()["extra"])["img1"],
+                              next(full.iterators()["extra"])["img1"])
+
+
+def test_every_caption_stream_is_checkpointed(caption_trainer, tmp_path):
+    """data_extra and data_extra_fda (the FDA pseudo pairs) restore where they were."""
+    trainer = _sibling(caption_trainer, tmp_path)
+    state = trainer.init_state()
+    iterators = trainer.iterators()
+    assert set(iterators) == {*TASKS, "extra", "extra_fda"}
+    for task in ("mlm", "fda", "mvcl", "fda"):
+        trainer.host_batch(task, iterators)
+    manager = trainer.checkpoint_manager()
+    trainer.save(manager, 4, state, iterators)
+    manager.wait_until_finished()
+    assert {"data_extra", "data_extra_fda"} <= {p.name for p in (tmp_path / "checkpoints" /
+                                                                 "4").iterdir()}
+    order = ("fda", "mlm", "fda", "mvcl")
+    want = [trainer.host_batch(task, iterators) for task in order]
+    restored = trainer.iterators()
+    trainer.restore_all(manager, state, restored)
+    for task, expected in zip(order, want, strict=True):
+        got = trainer.host_batch(task, restored)
+        assert got.keys() == expected.keys()
+        for key in got:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{task} {key}")
+    fresh = trainer.host_batch("fda", trainer.iterators())
+    assert not np.array_equal(fresh["ids"], want[0]["ids"])  # a restart would differ
+
+
+def test_stages_carry_parameters_over(caption_trainer, classify_trainer, classify_run,
+                                      tmp_path):
+    """init_from between pretraining runs copies every shared parameter, the pretraining
+    heads included; heads the source lacks stay fresh; fine-tuning leaves the fgvc_ heads."""
+    full, _ = classify_run
+    trained = train.init_params_from(classify_trainer.init_state().params, full.workdir)
+    fresh = caption_trainer.init_state().params
+    carried = train.init_params_from(fresh, full.workdir,
+                                     tuple(caption_trainer.config.init_exclude))
+    assert tuple(caption_trainer.config.init_exclude) == ()
+    for part in ("feat_regress", "pooler_0", "word_embedding", "encoder", "img_project_0"):
+        for a, b in zip(jax.tree_util.tree_leaves(carried[part]),
+                        jax.tree_util.tree_leaves(trained[part]), strict=True):
             np.testing.assert_array_equal(a, b)
-    for part in ("fgvc_classifier", "fgvc_matcher"):
-        for a, b in zip(jax.tree_util.tree_leaves(stage2[part]),
-                        jax.tree_util.tree_leaves(fresh[part]), strict=True):
-            np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(restored["encoder"]["norm"]["a_2"],
-                              stage1.params["encoder"]["norm"]["a_2"])  # trained: not init
+    assert not np.array_equal(trained["encoder"]["norm"]["a_2"],
+                              fresh["encoder"]["norm"]["a_2"])  # trained, not the init
+    # A caption-source checkpoint (no fgvc_ heads) into a classification-source model.
+    stage1 = _sibling(caption_trainer, tmp_path)
+    manager = stage1.checkpoint_manager()
+    stage1.save(manager, 1, caption_trainer.init_state(), stage1.iterators())
+    manager.wait_until_finished()
+    target = jax.tree.map(lambda x: x + 1.0, classify_trainer.init_state().params)
+    stage2 = train.init_params_from(target, tmp_path)
+    for part in ("fgvc_classifier", "fgvc_matcher", "encoder"):
+        same = [np.array_equal(a, b) for a, b in zip(
+            jax.tree_util.tree_leaves(stage2[part]), jax.tree_util.tree_leaves(target[part]),
+            strict=True)]
+        assert all(same) if part.startswith("fgvc_") else not any(same), part
     finetune = idc_config.get_config("finetune")
     assert "fgvc_" in finetune.init_exclude and "pooler" in finetune.init_exclude
 
@@ -328,10 +490,22 @@ def test_errors_name_the_file_and_key(data, tmp_path):
     assert f"{broken / 'train.features.npy'}: missing" in _error(config, tmp_path)
     config = tiny_config(data, "cub", 8, split="val")
     assert "key 'splits' has no split 'val'" in _error(config, tmp_path)
+    no_negatives = tmp_path / "no_negatives"
+    no_negatives.mkdir()
+    for f in Path(data["cub"]).iterdir():
+        if not f.name.endswith("_neg_tfidf6.json"):
+            (no_negatives / f.name).write_bytes(f.read_bytes())
     config = tiny_config(data, "cub", 8)
-    config.pretrain.tasks = ("mlm", "fda")
-    assert "caption source (task 'caption') in FDA is not supported yet" in _error(
-        config, tmp_path)
+    config.pretrain.extra_source.dir = str(no_negatives)
+    message = _error(config, tmp_path)
+    assert f"{no_negatives / 'train_neg_tfidf6.json'} does not exist" in message
+    assert "--negatives" in message
+    config.pretrain.tasks = ("mlm", "mvcl")  # without FDA no negatives are needed
+    trainer = pretrain.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    assert trainer.extra.fda_rows == 0 and trainer.extra_streams() == ("extra",)
+    config = tiny_config(data, "cub", 8)
+    config.pretrain.fda_batch_size = 6  # 6 / 4 pseudo pairs
+    assert "give 1.5 extra rows" in _error(config, tmp_path)
     config = tiny_config(data, "cub", 8, ratio=(3, 1))  # 16 pairs -> 16/3 rows
     assert "ratio = (3, 1)" in _error(config, tmp_path)
     config = tiny_config(data, "nabirds", 8)  # 16 pairs -> 4 rows: not a multiple of 8

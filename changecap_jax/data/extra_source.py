@@ -10,7 +10,8 @@ sample sources below turn it into grain-readable rows for ``changecap_jax.pretra
 * :class:`CaptionPseudoPairs` (GIC, CUB): image i is the pseudo pair (its grid, an EMPTY second
   image) with its captions; the empty image is read as a zero grid of the same shape (A.3 draws
   it as a dashed, i.e. absent, image; zeros are also what MVCL writes into a masked region, so
-  the model sees "no visual content"). ``PickCaption`` then draws one caption per visit.
+  the model sees "no visual content"). ``PickCaption`` then draws one caption per visit; for
+  FDA each row also carries the image's 6 negatives (``<split>_neg_tfidf6.json``).
 * :class:`ClassificationPairs` (FGVC, NABirds): the pairs of :func:`classification_pairs`,
   each row both images with their labels and the same-class flag.
 """
@@ -45,6 +46,7 @@ class ExtraSource:
     num_classes: int
     caption_ids: np.ndarray | None = None  # (N, K, L), caption sources only
     num_captions: np.ndarray | None = None  # (N,)
+    image_ids: np.ndarray | None = None  # (N,) str: what the FDA negatives are joined by
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -127,6 +129,8 @@ def open_source(directory: str | Path, split: str = "train") -> ExtraSource:
     with np.load(npz_path, allow_pickle=False) as arrays:
         labels = _array(arrays, npz_path, "labels", 1, rows, "(N,) class ids").astype(np.int64)
         captions = counts = None
+        image_ids = (_array(arrays, npz_path, "image_ids", 1, rows, "(N,) image ids")
+                     if "image_ids" in arrays.files else None)
         if meta["task"] == CAPTION:
             captions = _array(arrays, npz_path, "caption_ids", 3, rows, "(N, K, L) token ids")
             counts = _array(arrays, npz_path, "num_captions", 1, rows, "(N,) caption counts")
@@ -140,7 +144,7 @@ def open_source(directory: str | Path, split: str = "train") -> ExtraSource:
         raise ExtraSourceError(f"{npz_path}: 'labels' outside 0..{num_classes - 1} (the "
                                "meta.json 'labels' table)")
     return ExtraSource(directory, split, meta["task"], features, labels, num_classes,
-                       captions, counts)
+                       captions, counts, image_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,10 +154,18 @@ def open_source(directory: str | Path, split: str = "train") -> ExtraSource:
 
 class CaptionPseudoPairs:
     """GIC rows: image i as (its grid, a zero grid) with all its captions, padded to
-    ``length`` ids (the difference-captioning dataset's), for ``PickCaption``."""
+    ``length`` ids (the difference-captioning dataset's), for ``PickCaption``. With
+    ``negatives`` ((image_id, True) -> texts, ``negatives.negatives_by_pair`` of the source's
+    ``<split>_neg_tfidf6.json``, named by ``origin``) also its FDA negatives (K, length),
+    encoded by ``vocab`` as the IDC pairs' (unknown words <UNK>, cut to ``length``)."""
 
-    def __init__(self, source: ExtraSource, length: int):
+    def __init__(self, source: ExtraSource, length: int, *, negatives: Any = None,
+                 vocab: Any = None, origin: str = "the hard-negatives file"):
         assert source.caption_ids is not None and source.num_captions is not None
+        if negatives is not None and (vocab is None or source.image_ids is None):
+            raise ExtraSourceError(f"{source.directory / (source.split + '.npz')}: FDA "
+                                   "negatives need the vocabulary and the 'image_ids' array")
+        self.negatives, self.vocab, self.origin = negatives, vocab, origin
         if source.caption_ids.shape[-1] > length:
             raise ExtraSourceError(
                 f"{source.directory / (source.split + '.npz')}: captions of "
@@ -166,16 +178,29 @@ class CaptionPseudoPairs:
 
     def __repr__(self) -> str:
         # grain checks a restored iterator against repr(data source): it must be stable.
+        joined = f", negatives from {self.origin}" if self.negatives is not None else ""
         return (f"CaptionPseudoPairs({self.source.directory}, split={self.source.split}, "
-                f"images={len(self)}, length={self.length})")
+                f"images={len(self)}, length={self.length}{joined})")
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         src = self.source
         grid = np.asarray(src.features[index])
         captions = src.caption_ids[index, : src.num_captions[index]]
         pad = self.length - captions.shape[-1]
-        return {"img1": grid, "img2": np.zeros_like(grid),
-                "captions": np.pad(captions, ((0, 0), (0, pad))).astype(np.int32)}
+        sample = {"img1": grid, "img2": np.zeros_like(grid),
+                  "captions": np.pad(captions, ((0, 0), (0, pad))).astype(np.int32)}
+        if self.negatives is not None:
+            sample["negatives"] = self._encode(str(src.image_ids[index]))
+        return sample
+
+    def _encode(self, image_id: str) -> np.ndarray:
+        texts = self.negatives.get((image_id, True))
+        if texts is None:
+            raise ExtraSourceError(f"{self.origin} has no negatives for image {image_id!r} "
+                                   "(made for another build of this source? rebuild it with "
+                                   "python -m data_prep.cross_task --negatives)")
+        return np.stack([self.vocab.encode(t, self.length, allow_unk=True, truncate=True)
+                         for t in texts]).astype(np.int32)
 
 
 class ClassificationPairs:
@@ -229,11 +254,12 @@ def classification_pairs(labels: Sequence[int], num_pairs: int, seed: int = 0) -
 
 
 def join_caption_rows(pairs: dict[str, Any], extra: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The drawn task's batch of difference pairs followed by the pseudo pairs; ``pseudo``
-    (rows,) marks the latter (per row, so a multi-host global batch keeps the flag)."""
-    dtype = np.asarray(pairs["img1"]).dtype
+    """The drawn task's batch of difference pairs followed by the pseudo pairs (with their
+    FDA negatives on FDA steps); ``pseudo`` (rows,) marks the latter (per row, so a
+    multi-host global batch keeps the flag)."""
+    keys = ("img1", "img2", "ids", *(("negatives",) if "negatives" in pairs else ()))
     out = {k: np.concatenate([np.asarray(pairs[k]), np.asarray(extra[k]).astype(
-        np.asarray(pairs[k]).dtype if k == "ids" else dtype)]) for k in ("img1", "img2", "ids")}
+        np.asarray(pairs[k]).dtype)]) for k in keys}
     out["pseudo"] = np.concatenate([np.zeros(len(pairs["ids"]), bool),
                                     np.ones(len(extra["ids"]), bool)])
     return out
