@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -254,6 +256,37 @@ def test_caption_source_fda_negatives_are_retrieve_and_replace(caption_trainer, 
         want = [data["vocab"].encode(t, length, allow_unk=True, truncate=True)
                 for t in records[i]["neg_samples"]]
         np.testing.assert_array_equal(fda[i]["negatives"], np.stack(want))
+
+
+def test_cli_writes_the_negatives(data, tmp_path):
+    """The README's build command: ``--negatives`` for CUB, refused for NABirds."""
+    raw = write_cub_one_colour_per_image(tmp_path)
+    source = ct.read_cub(raw)
+    features = tmp_path / "features"
+    grids = random_grids(GRID)([e.image_path for e in source.examples])
+    for e, grid in zip(source.examples, grids, strict=True):
+        path = features / f"{e.image_path.relative_to(raw / 'images')}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, grid.transpose(2, 0, 1))
+    data["vocab"].save(tmp_path / "vocab.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "data_prep.cross_task", f"--features_dir={features}",
+               "--negatives"]
+    done = subprocess.run([*command, "--source=cub", f"--raw_dir={raw}",
+                           f"--vocab={tmp_path / 'vocab.json'}", f"--out={tmp_path / 'cub'}"],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    for split, images in (("train", 6), ("test", 2)):
+        lines = negatives.load_negatives(negatives.negatives_path(tmp_path / "cub", split))
+        assert len(lines) == images and {n.semantic for n in lines} == {True}
+    assert json.loads((tmp_path / "cub" / "meta.json").read_text())["negatives"] == {
+        "kinds": ["retrieve", "replace"], "per_kind": 3, "seed": 0}
+    failed = subprocess.run([*command, "--source=nabirds", f"--raw_dir={write_nabirds(tmp_path)}",
+                             f"--out={tmp_path / 'nab'}"], capture_output=True, text=True,
+                            env=env, cwd=ROOT)
+    assert failed.returncode != 0
+    assert "error: FDA negatives are made for caption sources only" in failed.stderr
+    assert not (tmp_path / "nab").exists()
 
 
 # ---- classification source: 8 devices = 1 ----------------------------------------------------
