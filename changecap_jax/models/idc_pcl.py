@@ -21,6 +21,10 @@ Method
    ``output_layer`` at the text positions; MVCL regresses the image-token outputs back to C
    dimensions with ``feat_regress`` (Linear -> GELU(erf) -> LN(1e-12) -> y W^T + b with W TIED to
    ``img_project``'s kernel, I-Q4); FDA compares mean(CLS1, CLS2) with CLS3.
+   With a cross-task classification source (paper A.3, ``fgvc_classes`` > 0)
+   :meth:`IDCPCL.cross_task_classify` runs the image difference encoder alone: the pooled
+   single-image encodings feed ``fgvc_classifier`` (d -> classes), the pooled pair encoding
+   ``fgvc_matcher`` (2d -> 2, same class); the losses are in ``changecap_jax/pretrain.py``.
 4. Fine-tuning (§5.4): the sequence [I; T] (no CLS3). Every query sees the 2N+2 image/CLS
    tokens, image queries see no text, text is causal. MLM logits at the text positions and the
    distractor logits ``pooler``(cat(CLS1, CLS2)).
