@@ -64,12 +64,13 @@ each process reading its shard and the stream checkpointed as ``data_extra`` (ex
   - ``pooling`` ("mean"): a single-image encoding is the mean of the single-image encoder's N
     region outputs (CLS left out); "cls" takes its CLS output. Both the classifier
     (``fgvc_classifier``, one linear layer d -> classes) and the contrastive loss read it.
-  - ``contrastive`` ("supcon"): SupCon (Khosla et al. 2020, L_out) on the L2-normalised pooled
-    encodings, no projection head, positives = the other images of the same label anywhere in
-    the GLOBAL batch (both images of every pair, all_gather over the data axis), anchors with
-    no positive skipped, ``temperature`` 1.0 (the paper sets its contrastive temperatures to
-    1). "transfg": the margin loss of TransFG (He et al. 2021, the paper's citation for this
-    loss) over the global batch, ``margin`` 0.4 as TransFG.
+  - ``contrastive`` ("transfg"): the loss A.3 cites (He et al. 2021, TransFG): over the
+    L2-normalised pooled encodings of every image of the GLOBAL batch (both images of every
+    pair, all_gather over the data axis), 1/N^2 times the sum over pairs (i, j) of 1 - cos for
+    the same label and max(cos - ``margin``, 0) otherwise, ``margin`` 0.4 as TransFG; no
+    projection head. "supcon": SupCon (Khosla et al. 2020, L_out) over the same global batch,
+    anchors with no positive skipped, ``temperature`` 1.0 (the paper sets its contrastive
+    temperatures to 1).
   - ``match_pooling`` ("cls"): the matcher (``fgvc_matcher``, 2d -> 2, label 1 = same class)
     reads cat(CLS1, CLS2) of the pair encoder's output, as the fine-tuning pooler does on the
     cross-modal encoder's; "mean": cat(mean of img1's regions, mean of img2's).
@@ -277,7 +278,7 @@ class ClassifyLosses:
     classify_weight: float = 1.0
     contrastive_weight: float = 1.0
     match_weight: float = 1.0
-    contrastive: str = "supcon"  # or "transfg", the margin loss of the paper's citation
+    contrastive: str = "transfg"  # the margin loss A.3 cites; or "supcon"
     temperature: float = 1.0  # supcon
     margin: float = 0.4  # transfg (TransFG's alpha)
     pooling: str = "mean"

@@ -128,10 +128,10 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
             "classify_weight": 1.0,
             "contrastive_weight": 1.0,
             "match_weight": 1.0,
-            # "supcon" (Khosla et al.) or "transfg" (the margin loss of He et al. 2021, A.3's
-            # citation); temperature for supcon (the paper's contrastive tau is 1), margin
-            # for transfg (TransFG's 0.4).
-            "contrastive": "supcon",
+            # "transfg" (the margin loss of He et al. 2021: the loss A.3 cites, so the
+            # default) or "supcon" (Khosla et al.); margin for transfg (TransFG's 0.4),
+            # temperature for supcon (the paper's contrastive tau is 1).
+            "contrastive": "transfg",
             "temperature": 1.0,
             "margin": 0.4,
             "pooling": "mean",  # single-image encoding: "mean" of its regions or "cls"

@@ -329,11 +329,14 @@ def test_eight_devices_equal_one_with_a_classification_source(classify_trainer,
                                        * m1["fgvc_classify"] + weights.contrastive_weight
                                        * m1["fgvc_contrastive"] + weights.match_weight
                                        * m1["fgvc_match"], rel=1e-6)
-    # The contrastive term is SupCon over every image of the global batch.
+    # The contrastive term (the default: TransFG's, A.3's citation) spans every image of the
+    # global batch.
+    assert weights.contrastive == "transfg"
     out = trainer.model.apply({"params": initial.params}, host["extra_img1"],  # eager: no
                               host["extra_img2"], method="cross_task_classify")  # compile
     labels = np.stack([host["extra_label1"], host["extra_label2"]], 1).reshape(-1)
-    want = supcon_numpy(np.asarray(out.single).reshape(len(labels), -1), labels, 1.0)
+    want = transfg_numpy(np.asarray(out.single).reshape(len(labels), -1), labels,
+                         weights.margin)
     assert m8["fgvc_contrastive"] == pytest.approx(want, rel=1e-5)
     largest = max(np.abs(g).max() for g in jax.tree_util.tree_leaves(g1))
     compared = set()
