@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from test_cross_task_sources import COLOURS, CUB_IMAGES, cub_relative, write_cub, write_nabirds
+from test_idc_pcl_pretrain import INTERRUPT, SEED, STEPS  # every task drawn in both halves
 from train_helpers import SMALL, tiny_run
 
 from changecap_jax import parallel, pretrain, train
@@ -36,19 +37,6 @@ from configs import idc_pcl as idc_config  # noqa: E402
 
 GRID = SMALL["feature_shape"]  # (4, 4, 16): the IDC dataset's grids
 TASKS = pretrain.TASKS
-STEPS, INTERRUPT = 6, 3
-
-
-def _seed_with_every_task_in_both_halves() -> int:
-    p = pretrain.task_probabilities(TASKS, (8, 1, 2))
-    for seed in range(10_000):
-        draws = [pretrain.draw_task(seed, t, TASKS, p) for t in range(1, STEPS + 1)]
-        if set(draws[:INTERRUPT]) == set(draws[INTERRUPT:]) == set(TASKS):
-            return seed
-    raise AssertionError("no such seed")
-
-
-SEED = _seed_with_every_task_in_both_halves()
 
 
 def random_grids(shape):
