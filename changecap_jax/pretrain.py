@@ -308,8 +308,9 @@ def global_contrastive(z: jax.Array, labels: jax.Array, axis: str,
 
 def _fgvc(classify: Any, batch: dict, axis: str,
           settings: ClassifyLosses) -> dict[str, jax.Array]:
-    """Classification CE of both images, SupCon over every image of the GLOBAL batch (gathered
-    columns) and the pair's same-class CE; each a mean over the global batch."""
+    """Classification CE of both images, the contrastive loss over every image of the GLOBAL
+    batch (gathered columns; ``settings.contrastive``) and the pair's same-class CE; each a mean
+    over the global batch."""
     out = classify(batch["extra_img1"], batch["extra_img2"])
     pairs, dim = out.single.shape[0], out.single.shape[-1]
     labels = jnp.stack([batch["extra_label1"], batch["extra_label2"]], 1).astype(jnp.int32)
