@@ -40,7 +40,9 @@ then fine-tune with ``--config.init_from=S2`` (``init_exclude`` drops the pooler
 Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic set):
   finetune/synthetic          the built-in synthetic dataset with a CPU-sized model (hidden 128,
                               4 heads, FFN 256, 2 cross-modal blocks, no dropout), batch 64,
-                              1000 steps, constant lr 5e-4, the official summed loss.
+                              1000 steps, constant lr 5e-4, the official summed loss. A
+                              smoke-test budget: at 1000 steps the model has not yet learned
+                              to use the images (one caption for every pair; README).
   finetune/synthetic_extreme  the same on the extreme-distractor variant.
   finetune/clevr_change       Table 6 / §5.6: hidden 512, 8 heads, FFN 2048, 3 blocks, dropout
                               0.2, captions of 40, lr 3e-5 halved at 10k and 20k steps, at most
