@@ -55,8 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import idc_pcl as idc_config  # noqa: E402
 
+# The SMALL synthetic grids; the official embedding (not the synthetic presets' CPU balance).
 SIZES = dict(hidden_dim=32, num_heads=4, ffn_dim=64, cross_layers=2, dropout_rate=0.0,
-             image_dim=16)  # the SMALL synthetic grids
+             image_dim=16, image_feature_scale=1.0)
 SPECIALS = {"<PAD>": 0, "<BOS>": 1, "<EOS>": 2, "<UNK>": 3, "<CLS>": 4, "<MASK>": 5}
 TOL, GRAD_TOL = 1e-5, 1e-4
 PAIRS, STEPS = 32, 40
@@ -435,6 +436,10 @@ def test_errors_name_the_problem(setup):
     with pytest.raises(KeyMismatchError, match="tied weights"):
         converter.convert_checkpoint(config, pretraining_dict_path, tmp / "e6",
                                      dict_json=tmp / "dict.json")
+    cpu_balance = make_config("finetune", data_dir)
+    cpu_balance.model.image_feature_scale = 16.0
+    with pytest.raises(WrongModelError, match=r"image_feature_scale is 16.0.*unscaled"):
+        converter.convert_checkpoint(cpu_balance, good, tmp / "e9", dict_json=tmp / "dict.json")
     with pytest.raises(WrongModelError, match="fine-tuning checkpoint"):
         converter.convert_checkpoint(make_config("pretrain", data_dir), good, tmp / "e7",
                                      dict_json=tmp / "dict.json")
@@ -444,4 +449,4 @@ def test_errors_name_the_problem(setup):
                                      dict_json=tmp / "dict.json")
     # Nothing half-written: no failed conversion left a checkpoint.
     assert not any((tmp / f"e{i}" / "checkpoints").exists() and
-                   any((tmp / f"e{i}" / "checkpoints").iterdir()) for i in range(9))
+                   any((tmp / f"e{i}" / "checkpoints").iterdir()) for i in range(10))

@@ -782,6 +782,14 @@ def idc_check_identity(model: ml_collections.ConfigDict, states: States,
         raise WrongModelError(
             f"the file is not an IDC-PCL checkpoint (yaolinli/IDC, reference §6): it has none "
             f"of {list(signature)} (keys such as {sorted(state)[:4]})")
+    scale = model.get("image_feature_scale", 1.0)
+    if scale != 1.0:  # type_embedding_std only sets an init, which the import replaces
+        raise WrongModelError(
+            f"config.model.image_feature_scale is {scale}, but the official model reads its "
+            "features unscaled (1.0; the synthetic CPU presets' embedding balance, "
+            "models/idc_pcl.py): convert with a paper preset, e.g. "
+            "--config=configs/idc_pcl.py:finetune/clevr_change, or set "
+            "--config.model.image_feature_scale=1.0")
     if model.stage == "pretrain" and "feat_regress.bias" not in state:
         raise WrongModelError(
             "config.model.stage is 'pretrain' but the file is a fine-tuning checkpoint (no "
