@@ -74,8 +74,8 @@ from configs import common
 
 STAGES = ("pretrain", "finetune")
 # The CPU presets' two named deviations from the official embedding (models/idc_pcl.py,
-# "Embedding balance"): with them the image pathway learns within a few hundred steps on two
-# CPU cores; without them it does not within 1000.
+# "Embedding balance"): with them the distractor classifier's loss falls below chance within
+# the presets' 1000 steps; without them it stays at chance.
 CPU_EMBEDDING = {"image_feature_scale": 16.0, "type_embedding_std": 0.02}
 # A 4x4 grid of the synthetic scenes (the dataset variant "moderate_f4x4x64"): 34 image tokens
 # instead of 130 make a training step 2.8x cheaper than the 8x8 grid the other models read.

@@ -38,10 +38,11 @@ Embedding balance (the synthetic CPU presets only)
 In the official embedding an image token is LN(sigmoid(W x + b) + type_pe[t] + sinusoid[p]),
 type_pe ~ N(0, 1). On the synthetic grids at the CPU width (d = 128) the part that depends on
 the image is about 5% of the token (per-position std over examples 0.05, token std 1): the
-type and position rows swamp it, and the model does not learn to compare the two images in
-a CPU budget. Trained alone to tell an after image that is a different scene from one with a
-single change, the distractor classifier stays at chance for 300 steps; told identical from
-changed, for 1000. Two fields, 1.0 in the official model, rebalance it:
+type and position rows swamp it, and within 1000 steps the model does not learn to compare
+the two images. Trained alone (a diagnostic on the synthetic 4x4 grids) to tell an after image
+that is a different scene from one with a single change, the distractor classifier stays at
+chance for 300 steps; to tell an identical one from a changed one, for 1000. Two fields, 1.0
+in the official model, rebalance it:
 ``image_feature_scale`` multiplies the features before ``img_project`` (so the sigmoid works
 over its range, not near 0.5) and ``type_embedding_std`` is type_pe's init std. The CPU
 presets' 16 and 0.02 raise the share to about 27%, and the different-scene task reaches 83%
