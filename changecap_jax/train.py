@@ -307,6 +307,7 @@ class Trainer:
             dict(config.optim.zero_grad_rows), self.schedule)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
+        self._judge: Any = None  # the jitted distractor classifier (evaluation), built once
 
     @property
     def total_train_steps(self) -> int:
@@ -473,6 +474,8 @@ class Trainer:
                                         process_index=process_index,
                                         process_count=process_count)
         total = pipeline.num_eval_batches(len(source), G)
+        judge = self._distractor_judge(streams)
+        judged = {"correct": 0, "loss": 0.0, "num_pairs": 0}
         for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
                                        disable=not self.is_main, dynamic_ncols=True)):
             arrays = pipeline.to_global(
@@ -486,10 +489,15 @@ class Trainer:
                                      jax.random.fold_in(key, k),
                                      {c: arrays[f"{c}_{s}"] for c in self.conditioning})
                 decoded[s] = _to_host(ids)
+            judge_logits = {s: _to_host(judge(state.params, arrays["before"],
+                                              arrays[STREAM_INPUTS[s][0]]))
+                            for s in (streams if judge is not None else ())}
             mask = _to_host(arrays["mask"])
             if not self.is_main:
                 continue
             for j in np.flatnonzero(mask):
+                for s, logits in judge_logits.items():
+                    _add_judgement(judged, logits[j], DISTRACTOR_LABELS[s])
                 index = k * G + j
                 record = (_host_record(batch, j) if j // local == process_index
                           else source[index])
@@ -512,6 +520,10 @@ class Trainer:
         metrics = evaluation.evaluate_pairs(records, spice=config.spice)
         metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
                        protocol=meta.protocol)
+        if judge is not None:  # held-out accuracy of the distractor classifier (§5.6 val pass)
+            n = judged["num_pairs"]
+            metrics["distractor"] = {"accuracy": 100.0 * judged["correct"] / n,
+                                     "loss": judged["loss"] / n, "num_pairs": n}
         protocols = tuple(config.get("eval_protocols", ("coco",)))
         if "idc" in protocols:  # the IDC code's scoring of the same captions, side by side
             metrics["idc"] = evaluation.evaluate_pairs_idc(records)
@@ -526,8 +538,23 @@ class Trainer:
         if writer is not None:
             writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
                                         if isinstance(v, float)})
+            if "distractor" in metrics:
+                writer.write_scalars(step, {f"{split}/distractor_{k}": metrics["distractor"][k]
+                                            for k in ("accuracy", "loss")})
         _share_from_main(selection_value(metrics, self.selection_metric))
         return metrics
+
+    def _distractor_judge(self, streams: list[str]) -> Any:
+        """A jitted (params, before, after) -> (B, 2) logits of the model's distractor
+        classifier (label 1 = semantic change), or None when the model has none or the
+        evaluation has no distractor pairs."""
+        if "distractor" not in streams or not hasattr(self.model, "classify_distractor"):
+            return None
+        if self._judge is None:
+            model = self.model
+            self._judge = jax.jit(lambda params, before, after: model.apply(
+                {"params": params}, before, after, method=model.classify_distractor))
+        return self._judge
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
@@ -644,6 +671,18 @@ def _share_from_main(value: float) -> float:
     if jax.process_count() == 1:
         return value
     return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
+
+
+DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
+
+
+def _add_judgement(totals: dict[str, Any], logits: np.ndarray, label: int) -> None:
+    """Adds one pair's distractor judgement (correct?, cross-entropy) to the running totals."""
+    logits = np.asarray(logits, np.float64)
+    log_probs = logits - (logits.max() + np.log(np.sum(np.exp(logits - logits.max()))))
+    totals["correct"] += int(np.argmax(logits) == label)
+    totals["loss"] += float(-log_probs[label])
+    totals["num_pairs"] += 1
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -1,7 +1,8 @@
 """IDC-PCL fine-tuning on the trunk (reference §5.1, §5.4-5.6): the §5.1 caption masking, the
-summed losses and the mean switch, 8 devices = 1 (masks included), a run with evaluation,
-early stopping on the best state and initialisation from another run except the pooler, and
-the decoding rules (no UNK ban, all steps, appended [MASK] named in captions)."""
+summed losses and the mean switch, 8 devices = 1 (masks included), a run with evaluation
+(held-out distractor accuracy included), early stopping on the best state and initialisation
+from another run except the pooler, the caption-free distractor classifier, and the decoding
+rules (no UNK ban, all steps, appended [MASK] named in captions)."""
 
 from __future__ import annotations
 
@@ -202,12 +203,58 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
         expected = init[name] if "pooler" in name else want[name]
         np.testing.assert_array_equal(value, expected, err_msg=name)
     assert any("pooler" in n for n in got)
+
+    # Each evaluation also judges every pair with the distractor classifier (§5.6's val pass):
+    # the same logits as the fine-tuning forward with the pair's caption, label 1 = semantic.
+    judged = val_metrics["distractor"]
+    val_records = [val[i] for i in range(len(val))]
+    before = np.stack([r["before"] for r in val_records]).astype(np.float32)
+    correct, loss = 0, 0.0
+    for after_key, caption_key, label in (("after_semantic", "change_caption_ids", 1),
+                                          ("after_distractor", "no_change_caption_ids", 0)):
+        out = trainer.model.apply(
+            {"params": last}, before,
+            np.stack([r[after_key] for r in val_records]).astype(np.float32),
+            np.stack([r[caption_key][0] for r in val_records]).astype(np.int32),
+            method=trainer.model.finetune)
+        log_probs = np.asarray(jax.nn.log_softmax(out.distractor_logits), np.float64)
+        correct += int(np.sum(np.argmax(log_probs, -1) == label))
+        loss -= float(np.sum(log_probs[:, label]))
+    assert judged["num_pairs"] == 2 * len(val)
+    assert judged["accuracy"] == pytest.approx(100.0 * correct / (2 * len(val)), abs=1e-9)
+    assert judged["loss"] == pytest.approx(loss / (2 * len(val)), rel=1e-5)
+    scalars = [json.loads(line) for line in (first / "scalars.jsonl").read_text().splitlines()]
+    logged = [r for r in scalars if "val/distractor_accuracy" in r]
+    assert [(r["step"], r["val/distractor_accuracy"]) for r in logged] == [
+        (2, judged["accuracy"])]
     assert not np.array_equal(got["['pooler_0']['kernel']"], want["['pooler_0']['kernel']"])
     wider = {**fresh, "word_embedding": {"embedding": jnp.zeros((5, 3))}}
     with pytest.raises(ValueError, match=r"word_embedding/embedding has shape \(\d+, 16\)"):
         train.init_params_from(wider, first, ("pooler",))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train.init_params_from(fresh, tmp_path / "nowhere")
+
+
+def test_distractor_classifier_reads_the_images_only():
+    # Image queries never attend text under the fine-tuning mask, so the classifier needs no
+    # caption: classify_distractor equals finetune's logits whatever the caption is.
+    model = idc_pcl.IDCPCL(vocab_size=20, max_len=8, hidden_dim=16, num_heads=2, ffn_dim=32,
+                           cross_layers=2, image_dim=8, dropout_rate=0.0)
+    rng = np.random.default_rng(0)
+    img1, img2 = (rng.random((3, 2, 2, 8), dtype=np.float32) for _ in range(2))
+    ids = jnp.asarray(rng.integers(0, 20, (2, 3, 8)), jnp.int32)
+    params = model.init(jax.random.key(1), img1, img2, ids[0], method=model.finetune)
+    judged = model.apply(params, img1, img2, method=model.classify_distractor)
+    assert judged.shape == (3, 2)
+    for caption in ids:
+        out = model.apply(params, img1, img2, caption, method=model.finetune)
+        np.testing.assert_allclose(judged, out.distractor_logits, rtol=1e-5, atol=1e-6)
+    swapped = model.apply(params, img2, img1, method=model.classify_distractor)
+    assert not np.allclose(swapped, judged, atol=1e-4)  # it does read the images, in order
+    pretraining = idc_pcl.IDCPCL(vocab_size=20, stage="pretrain", hidden_dim=16, num_heads=2,
+                                 ffn_dim=32, cross_layers=1, image_dim=8)
+    with pytest.raises(ValueError, match="fine-tuning head"):
+        pretraining.init(jax.random.key(0), img1, img2, method=pretraining.classify_distractor)
 
 
 # ---- decoding rules --------------------------------------------------------------------------

@@ -650,6 +650,19 @@ class IDCPCL(nn.Module):
         pooled = jnp.concatenate([out[:, 0], out[:, n + 1]], -1)
         return FinetuneOutput(out, self.output_layer(out[:, n_img:]), self.pooler_0(pooled))
 
+    def classify_distractor(self, img1: Array, img2: Array) -> Array:
+        """The distractor logits (B, 2) of :meth:`finetune` without a caption: image queries
+        never attend text under the fine-tuning mask, so CLS1/CLS2 come from the encoder on I
+        alone. Evaluation reports the held-out accuracy from it (the official val pass's
+        distractor accuracy, §5.6)."""
+        if self.stage != "finetune":
+            raise ValueError("the distractor classifier is a fine-tuning head; this model has "
+                             f"stage={self.stage!r}")
+        image = self.image_tokens(img1, img2)
+        out, _ = self.encoder(image, None)
+        n = (image.shape[1] - 2) // 2
+        return self.pooler_0(jnp.concatenate([out[:, 0], out[:, n + 1]], -1))
+
     def __call__(self, batch: dict[str, Array], *, train: bool,
                  axis_name: str | None = None) -> ModelOutput:
         """§5.4 on the trunk: per caption stream, the §5.1-masked caption through
