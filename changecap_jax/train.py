@@ -39,6 +39,7 @@ STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id s
     "semantic": ("after_semantic", "change_captions", ""),
     "distractor": ("after_distractor", "no_change_captions", "_n"),
 }
+DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
 
 
 INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
@@ -307,7 +308,11 @@ class Trainer:
             dict(config.optim.zero_grad_rows), self.schedule)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
-        self._judge: Any = None  # the jitted distractor classifier (evaluation), built once
+        # The distractor classifier's jitted log-probs (B, 2) for evaluation, if it has one.
+        self.judge = (jax.jit(lambda params, before, after: jax.nn.log_softmax(
+            self.model.apply({"params": params}, before, after,
+                             method=self.model.classify_distractor)))
+            if hasattr(self.model, "classify_distractor") else None)
 
     @property
     def total_train_steps(self) -> int:
@@ -474,7 +479,8 @@ class Trainer:
                                         process_index=process_index,
                                         process_count=process_count)
         total = pipeline.num_eval_batches(len(source), G)
-        judge = self._distractor_judge(streams)
+        # The §5.6 val pass's distractor accuracy, where the model and the split allow it.
+        judge = self.judge if "distractor" in streams else None
         judged = {"correct": 0, "loss": 0.0, "num_pairs": 0}
         for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
                                        disable=not self.is_main, dynamic_ncols=True)):
@@ -489,15 +495,19 @@ class Trainer:
                                      jax.random.fold_in(key, k),
                                      {c: arrays[f"{c}_{s}"] for c in self.conditioning})
                 decoded[s] = _to_host(ids)
-            judge_logits = {s: _to_host(judge(state.params, arrays["before"],
-                                              arrays[STREAM_INPUTS[s][0]]))
-                            for s in (streams if judge is not None else ())}
+            judge_log_probs = {s: _to_host(judge(state.params, arrays["before"],
+                                                 arrays[STREAM_INPUTS[s][0]]))
+                               for s in (streams if judge is not None else ())}
             mask = _to_host(arrays["mask"])
             if not self.is_main:
                 continue
-            for j in np.flatnonzero(mask):
-                for s, logits in judge_logits.items():
-                    _add_judgement(judged, logits[j], DISTRACTOR_LABELS[s])
+            real_rows = np.flatnonzero(mask)
+            for s, log_probs in judge_log_probs.items():
+                real, label = log_probs[real_rows], DISTRACTOR_LABELS[s]
+                judged["correct"] += int(np.sum(np.argmax(real, -1) == label))
+                judged["loss"] -= float(np.sum(real[:, label], dtype=np.float64))
+                judged["num_pairs"] += len(real)
+            for j in real_rows:
                 index = k * G + j
                 record = (_host_record(batch, j) if j // local == process_index
                           else source[index])
@@ -536,25 +546,13 @@ class Trainer:
             logging.info("  %s: %r | refs %r%s", r.image_id, r.caption, r.references[:2],
                          f" | inputs {extra[r.image_id]}" if r.image_id in extra else "")
         if writer is not None:
-            writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()
-                                        if isinstance(v, float)})
+            scalars = {f"{split}/{k}": v for k, v in metrics.items() if isinstance(v, float)}
             if "distractor" in metrics:
-                writer.write_scalars(step, {f"{split}/distractor_{k}": metrics["distractor"][k]
-                                            for k in ("accuracy", "loss")})
+                scalars.update({f"{split}/distractor_{k}": metrics["distractor"][k]
+                                for k in ("accuracy", "loss")})
+            writer.write_scalars(step, scalars)
         _share_from_main(selection_value(metrics, self.selection_metric))
         return metrics
-
-    def _distractor_judge(self, streams: list[str]) -> Any:
-        """A jitted (params, before, after) -> (B, 2) logits of the model's distractor
-        classifier (label 1 = semantic change), or None when the model has none or the
-        evaluation has no distractor pairs."""
-        if "distractor" not in streams or not hasattr(self.model, "classify_distractor"):
-            return None
-        if self._judge is None:
-            model = self.model
-            self._judge = jax.jit(lambda params, before, after: model.apply(
-                {"params": params}, before, after, method=model.classify_distractor))
-        return self._judge
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
@@ -671,18 +669,6 @@ def _share_from_main(value: float) -> float:
     if jax.process_count() == 1:
         return value
     return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
-
-
-DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
-
-
-def _add_judgement(totals: dict[str, Any], logits: np.ndarray, label: int) -> None:
-    """Adds one pair's distractor judgement (correct?, cross-entropy) to the running totals."""
-    logits = np.asarray(logits, np.float64)
-    log_probs = logits - (logits.max() + np.log(np.sum(np.exp(logits - logits.max()))))
-    totals["correct"] += int(np.argmax(logits) == label)
-    totals["loss"] += float(-log_probs[label])
-    totals["num_pairs"] += 1
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -203,6 +203,12 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
         expected = init[name] if "pooler" in name else want[name]
         np.testing.assert_array_equal(value, expected, err_msg=name)
     assert any("pooler" in n for n in got)
+    assert not np.array_equal(got["['pooler_0']['kernel']"], want["['pooler_0']['kernel']"])
+    wider = {**fresh, "word_embedding": {"embedding": jnp.zeros((5, 3))}}
+    with pytest.raises(ValueError, match=r"word_embedding/embedding has shape \(\d+, 16\)"):
+        train.init_params_from(wider, first, ("pooler",))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.init_params_from(fresh, tmp_path / "nowhere")
 
     # Each evaluation also judges every pair with the distractor classifier (§5.6's val pass):
     # the same logits as the fine-tuning forward with the pair's caption, label 1 = semantic.
@@ -227,12 +233,6 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     logged = [r for r in scalars if "val/distractor_accuracy" in r]
     assert [(r["step"], r["val/distractor_accuracy"]) for r in logged] == [
         (2, judged["accuracy"])]
-    assert not np.array_equal(got["['pooler_0']['kernel']"], want["['pooler_0']['kernel']"])
-    wider = {**fresh, "word_embedding": {"embedding": jnp.zeros((5, 3))}}
-    with pytest.raises(ValueError, match=r"word_embedding/embedding has shape \(\d+, 16\)"):
-        train.init_params_from(wider, first, ("pooler",))
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train.init_params_from(fresh, tmp_path / "nowhere")
 
 
 def test_distractor_classifier_reads_the_images_only():

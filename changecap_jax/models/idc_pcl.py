@@ -649,9 +649,13 @@ class IDCPCL(nn.Module):
         n_img, n_text = image.shape[1], ids.shape[1]
         x = jnp.concatenate([image, self._text(ids, det)], 1)
         out, _ = self.encoder(x, finetune_mask(n_img, n_text), deterministic=det)
+        return FinetuneOutput(out, self.output_layer(out[:, n_img:]),
+                              self._distractor_logits(out, n_img))
+
+    def _distractor_logits(self, out: Array, n_img: int) -> Array:
+        """pooler(cat(CLS1, CLS2)) of the encoder output; CLS2 sits after [CLS1; img1]."""
         n = (n_img - 2) // 2
-        pooled = jnp.concatenate([out[:, 0], out[:, n + 1]], -1)
-        return FinetuneOutput(out, self.output_layer(out[:, n_img:]), self.pooler_0(pooled))
+        return self.pooler_0(jnp.concatenate([out[:, 0], out[:, n + 1]], -1))
 
     def classify_distractor(self, img1: Array, img2: Array) -> Array:
         """The distractor logits (B, 2) of :meth:`finetune` without a caption: image queries
@@ -663,8 +667,7 @@ class IDCPCL(nn.Module):
                              f"stage={self.stage!r}")
         image = self.image_tokens(img1, img2)
         out, _ = self.encoder(image, None)
-        n = (image.shape[1] - 2) // 2
-        return self.pooler_0(jnp.concatenate([out[:, 0], out[:, n + 1]], -1))
+        return self._distractor_logits(out, image.shape[1])
 
     def __call__(self, batch: dict[str, Array], *, train: bool,
                  axis_name: str | None = None) -> ModelOutput:
