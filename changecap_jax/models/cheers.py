@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from changecap_jax import losses
 from changecap_jax.models.base import ModelOutput, pair_streams
 from changecap_jax.models.dirl import caption_mask, make_caption_targets
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     MultiheadAttention,
@@ -145,7 +146,7 @@ class CrossAttentionBlock(nn.Module):
                                             dropout_rate=self.dropout_rate)
         if self.residual:
             self.norm = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, x: Array, y: Array, *, deterministic: bool) -> Array:
         attended = self.attention(x, y, deterministic=deterministic)
@@ -246,7 +247,7 @@ class GatedDecoderLayer(nn.Module):
             self.linear1 = TorchDense(self.ffn_dim)
             self.linear2 = TorchDense(self.hidden_dim)
             self.norm3 = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def gates(self, h1: Array, h_text: Array, h_vis: Array) -> tuple[Array, Array]:
         """alpha, beta (B, L, 1) from Eq. 14-15 and the chosen activation."""
@@ -356,7 +357,7 @@ class CHEERS(nn.Module):
             for _ in range(self.decoder_layers)
         ]
         self.logit = TorchDense(self.vocab_size)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     @property
     def streams(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dirl import caption_mask
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
 
 Array = jax.Array
@@ -48,7 +49,7 @@ def multi_head_attend(
     num_heads: int,
     *,
     additive_mask: Array | None = None,
-    dropout: nn.Dropout | None = None,
+    dropout: Dropout | None = None,
     deterministic: bool = True,
     sow_to: nn.Module | None = None,
 ) -> Array:
@@ -98,7 +99,7 @@ class SpeakerAttention(nn.Module):
                              f"{self.num_heads}")
         dense = lambda: TorchDense(self.hidden_dim, kernel_init=speaker_init, bias_init="zeros")
         self.query, self.key, self.value = dense(), dense(), dense()
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(
         self, x_q: Array, x_kv: Array, additive_mask: Array | None = None, *,
@@ -167,7 +168,7 @@ class Output(nn.Module):
                              "they must be equal")
         y = TorchDense(self.features, kernel_init=speaker_init, bias_init="zeros",
                        name="dense")(g)
-        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+        y = Dropout(self.dropout_rate)(y, deterministic=deterministic)
         return torch_layer_norm(self.layer_norm_eps, name="LayerNorm")(y + g)
 
 
@@ -224,7 +225,7 @@ class Speaker(nn.Module):
         self.pe = sinusoid_table(self.max_len, self.word_dim)
         self.fc_0 = TorchDense(self.hidden_dim, kernel_init=speaker_init, bias_init="zeros")
         self.fc_2 = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
         self.layer = [
             SpeakerLayer(self.hidden_dim, self.num_heads, self.dropout_rate, self.layer_norm_eps)
             for _ in range(self.num_layers)

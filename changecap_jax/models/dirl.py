@@ -98,6 +98,7 @@ import jax.numpy as jnp
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
 from changecap_jax.models.base import IGNORE_INDEX, ModelOutput, pair_streams
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     Initializer,
@@ -166,7 +167,7 @@ class CrossAttentionLayer(nn.Module):
             out_kernel_init=xavier_uniform,  # DIRL's _reset_parameters: xavier on all >= 2-D
         )
         self.norm1 = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, x: Array, y: Array, *, deterministic: bool = True) -> Array:
         attended = self.attention(x, y, deterministic=deterministic)
@@ -189,7 +190,7 @@ class DIRLEncoder(nn.Module):
         self.pos_embedding = GridPositionEmbedding(self.hidden_dim)
         self.mlp_0 = TorchDense(self.mlp_hidden_dim, kernel_init=xavier_uniform)
         self.mlp_3 = TorchDense(self.hidden_dim, kernel_init=xavier_uniform)
-        self.mlp_dropout = nn.Dropout(self.dropout_rate)
+        self.mlp_dropout = Dropout(self.dropout_rate)
         self.transformer = [
             CrossAttentionLayer(
                 self.hidden_dim, self.num_heads, self.dropout_rate, self.layer_norm_eps
@@ -262,7 +263,7 @@ class CCRLayer(nn.Module):
         self.linear1 = TorchDense(self.ffn_dim, kernel_init=self.kernel_init)
         self.linear2 = TorchDense(self.hidden_dim, kernel_init=self.kernel_init)
         # One Dropout module; every call draws a fresh mask.
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def _ffn(self, x: Array, deterministic: bool) -> Array:
         inner = self.dropout(nn.relu(self.linear1(x)), deterministic=deterministic)
@@ -327,7 +328,7 @@ class CCRDecoder(nn.Module):
         if dc:
             self.fc_1 = torch_layer_norm(self.layer_norm_eps)
             self.embed_fc_1 = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
         self.layer = [
             CCRLayer(
                 self.hidden_dim,

@@ -106,6 +106,7 @@ from changecap_jax.models.base import (
     ModelOutput,
     pair_streams,
 )
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import Initializer, TorchDense, torch_default_kernel_init
 
 Array = jax.Array
@@ -169,7 +170,7 @@ class PositionalEmb(nn.Module):
         self.type_pe = nn.Embed(NUM_TYPES, self.dim,
                                 embedding_init=nn.initializers.normal(self.type_std))
         self.layernorm = IDCLayerNorm(eps=1e-12)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
         self.pe = idc_sinusoid_table(PE_LEN, self.dim)  # a constant, never trained
 
     def __call__(
@@ -206,7 +207,7 @@ class MultiHeadAttention(nn.Module):
         self.v_linear = TorchDense(self.dim)
         self.k_linear = TorchDense(self.dim)
         self.out = TorchDense(self.dim)
-        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=())
+        self.dropout = Dropout(self.dropout_rate, broadcast_dims=())
 
     def _split(self, x: Array) -> Array:
         return x.reshape(*x.shape[:-1], self.num_heads, self.dim // self.num_heads)
@@ -238,7 +239,7 @@ class PositionwiseFeedForward(nn.Module):
     def setup(self) -> None:
         self.w_1 = TorchDense(self.ffn_dim)
         self.w_2 = TorchDense(self.dim)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         return self.w_2(self.dropout(nn.relu(self.w_1(x)), deterministic=deterministic))
@@ -267,7 +268,7 @@ class EncoderLayer(nn.Module):
         self.feed_forward = PositionwiseFeedForward(self.dim, self.ffn_dim, self.dropout_rate)
         self.sublayer_0 = SublayerConnection()
         self.sublayer_1 = SublayerConnection()
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def key_value(self, x: Array) -> tuple[Array, Array]:
         """Keys/values of the block's LN-ed input (what the official decoder caches)."""

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from changecap_jax.models.base import ATTENTION
+from changecap_jax.models.dropout import Dropout
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -181,7 +182,7 @@ class MultiheadAttention(nn.Module):
         self.v_proj = dense(self.qkv_kernel_init)
         self.out_proj = dense(self.out_kernel_init)
         # broadcast_dims=() -> independent masks, like torch's F.dropout on the probabilities.
-        self.attn_dropout = nn.Dropout(self.dropout_rate, broadcast_dims=())
+        self.attn_dropout = Dropout(self.dropout_rate, broadcast_dims=())
 
     @property
     def head_dim(self) -> int:

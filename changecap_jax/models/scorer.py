@@ -112,6 +112,7 @@ from changecap_jax import losses
 from changecap_jax.models.base import ModelOutput, pair_streams
 from changecap_jax.models.decoder import Speaker, multi_head_attend
 from changecap_jax.models.dirl import caption_mask, make_caption_targets
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     TorchDense,
@@ -193,7 +194,7 @@ class ScorerAttention(nn.Module):
         self.key = TorchDense(self.hidden_dim)
         self.value = TorchDense(self.hidden_dim)
         self.layer_norm = torch_layer_norm(self.layer_norm_eps)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(
         self, x_q: Array, x_kv: Array, *, deterministic: bool = True
@@ -249,7 +250,7 @@ class ChangeDetector(nn.Module):
             for _ in range(self.num_layers)
         ]
         self.embed_fc_0 = TorchDense(self.hidden_dim)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, before: Array, after: Array, *, train: bool) -> EncoderOutput:
         deterministic = not train

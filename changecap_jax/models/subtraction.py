@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from changecap_jax.models.base import ModelOutput, pair_streams
 from changecap_jax.models.decoder import Speaker
 from changecap_jax.models.dirl import make_caption_targets
+from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import TorchDense, grid_input
 from changecap_jax.models.scorer import PAIRS, STREAMS, check_batch, grid_position_embedding
 
@@ -55,7 +56,7 @@ class SubtractionEncoder(nn.Module):
         self.img_0 = TorchDense(self.hidden_dim)  # 1x1 conv as a Dense over channels
         self.pos_embedding = grid_position_embedding(self.hidden_dim)
         self.embed_fc_0 = TorchDense(self.hidden_dim)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, before: Array, after: Array, *, train: bool) -> Array:
         b, h, w, _ = before.shape
