@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +44,11 @@ from changecap_jax.convert import (  # noqa: E402
     converter,
     mapping,
 )
-from changecap_jax.convert.torch_checkpoint import read_official_snapshot  # noqa: E402
+from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
+    ConfigNode,
+    load_torch_file,
+    read_official_snapshot,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -166,7 +172,9 @@ def converted(request, tmp_path_factory):
     tsnapshot.save_official_snapshot(path, enc, dec)
     workdir = tmp / "workdir"
     if variant == "clevr_change":
-        # Once through the real command line (a subprocess).
+        # Once through the real command line (a subprocess), as the README gives it: the
+        # snapshot's model_cfg pickles as utils.attr_dict.AttrDict, like the official train.py's,
+        # and converts without --allow_pickle.
         args = [sys.executable, "-m", "changecap_jax.convert",
                 f"--config={ROOT / 'configs/dirl.py'}:clevr_change",
                 *(f"--config.model.{k}={v}" for k, v in FLAX_SIZES.items()),
@@ -430,36 +438,110 @@ def test_unreadable_and_foreign_files(snapshots, tmp_path):
         (tmp_path / "workdir" / "checkpoints").iterdir())
 
 
-def test_pickled_config_objects(snapshots, tmp_path, monkeypatch):
-    """The official model_cfg is a yacs CfgNode (a dict subclass) that torch's weights-only
-    loader refuses: the restricted loader reads it as an inert dict; other objects need
-    --allow_pickle."""
-    import argparse
-    import types
+def _save_importable(path: Path, obj, module: str, *classes: type) -> None:
+    """``torch.save(obj, path)`` while ``classes`` import from ``module`` (pickle needs that to
+    save them); afterwards the module is gone again, so the loader under test cannot import it."""
+    names = module.split(".")
+    with pytest.MonkeyPatch.context() as patch:
+        for depth in range(1, len(names) + 1):
+            child = types.ModuleType(".".join(names[:depth]))
+            patch.setitem(sys.modules, child.__name__, child)
+            if depth > 1:
+                setattr(sys.modules[".".join(names[: depth - 1])], names[depth - 1], child)
+        for cls in classes:
+            setattr(child, cls.__qualname__, cls)
+        torch.save(obj, path)
+    assert module not in sys.modules
 
-    yacs, yacs_config = types.ModuleType("yacs"), types.ModuleType("yacs.config")
-    cfg_node = type("CfgNode", (dict,), {"__module__": "yacs.config"})
-    yacs_config.CfgNode, yacs.config = cfg_node, yacs_config
-    monkeypatch.setitem(sys.modules, "yacs", yacs)
-    monkeypatch.setitem(sys.modules, "yacs.config", yacs_config)
-    cfg = cfg_node(model=cfg_node(transformer_encoder=cfg_node(att_head=4, feat_dim=RAW + 2)))
-    cfg.__dict__.update({"__immutable__": True, "__deprecated_keys__": set()})
+
+def test_official_attrdict_config(snapshots, tmp_path):
+    """The official train.py pickles model_cfg as nested utils.attr_dict.AttrDict, which
+    torch's weights-only loader refuses: the converter reads it, without --allow_pickle and
+    without importing the class, as nested mappings whose values drive the heads check."""
+    enc, dec = snapshots["clevr_change_modules"]
+    path = tmp_path / "DIRL+CCR_checkpoint_15000.pt"
+    saved = tsnapshot.save_official_snapshot(path, enc, dec)
+    assert "utils.attr_dict" not in sys.modules
+    with pytest.raises(pickle.UnpicklingError, match=r"utils\.attr_dict\.AttrDict"):
+        torch.load(path, weights_only=True)
+
+    snap = read_official_snapshot(path)
+    cfg = snap.model_cfg
+    for node in (cfg, cfg["model"], cfg["model"]["transformer_encoder"], cfg["train"]["optim"]):
+        assert type(node) is ConfigNode  # the inert stand-in, not the pickled class
+    assert cfg["model"]["transformer_encoder"]["att_head"] == 4
+    assert cfg["model"]["transformer_decoder"]["share_wd_cls_weight"] is False
+    assert cfg["train"]["optim"]["lr"] == 2e-4 and cfg["train"]["start_from"] is None
+    assert cfg["gpu_id"] == [0] and cfg["data"]["train"]["max_samples"] is None
+    assert cfg == saved["model_cfg"]
+    assert snap.iteration == 15000 and not snap.ignored
+    assert _convert("clevr_change", path, tmp_path).step == 15000
+    config = make_config("clevr_change", tmp_path / "no_data")
+    config.model.num_heads = 8  # the heads are read from the AttrDict config
+    with pytest.raises(WrongModelError, match="att_head = \\[4\\]"):
+        converter.convert_checkpoint(config, path, tmp_path / "w")
+
+
+def test_other_config_classes_and_numpy_values(snapshots, tmp_path):
+    """yacs CfgNode and a fork's AttrDict (another package path) read as inert mappings, with
+    their pickled attributes; NumPy values a script adds to the dict load too."""
     enc, dec = snapshots["clevr_change_modules"]
     states = {"change_detector_state": enc.state_dict(), "speaker_state": dec.state_dict()}
-    torch.save({**states, "model_cfg": cfg}, tmp_path / "yacs_checkpoint_15000.pt")
-    torch.save({**states, "model_cfg": argparse.Namespace(att_head=4)}, tmp_path / "ns.pt")
-    monkeypatch.delitem(sys.modules, "yacs.config")
-    monkeypatch.delitem(sys.modules, "yacs")
-
+    cfg_node = type("CfgNode", (dict,), {"__module__": "yacs.config"})
+    cfg = cfg_node(model=cfg_node(transformer_encoder=cfg_node(att_head=4, feat_dim=RAW + 2)))
+    cfg.__dict__.update({"__immutable__": True, "__deprecated_keys__": set()})
+    _save_importable(tmp_path / "yacs_checkpoint_15000.pt", {**states, "model_cfg": cfg},
+                     "yacs.config", cfg_node)
     snap = read_official_snapshot(tmp_path / "yacs_checkpoint_15000.pt")
-    assert snap.iteration == 15000 and isinstance(snap.model_cfg, dict)
+    assert snap.iteration == 15000 and type(snap.model_cfg) is ConfigNode
     assert snap.model_cfg["model"]["transformer_encoder"]["att_head"] == 4
     assert snap.model_cfg.__dict__["__immutable__"] is True
-    report = _convert("clevr_change", tmp_path / "yacs_checkpoint_15000.pt", tmp_path)
-    assert report.step == 15000
+    assert _convert("clevr_change", tmp_path / "yacs_checkpoint_15000.pt", tmp_path).step == 15000
+
+    fork = type("AttrDict", (dict,), {"__module__": "lib.utils.attr_dict"})
+    extras = {"iteration": np.int64(700), "best_cider": np.float64(1.25),
+              "history": np.arange(3.0), "optimizer": {"lr": [2e-4], "step": torch.tensor(7)}}
+    _save_importable(tmp_path / "fork.pt",
+                     {**states, "model_cfg": fork(model=fork(att_head=4)), **extras},
+                     "lib.utils.attr_dict", fork)
+    snap = read_official_snapshot(tmp_path / "fork.pt")
+    assert type(snap.model_cfg["model"]) is ConfigNode
+    assert snap.model_cfg["model"]["att_head"] == 4
+    assert snap.iteration == 700 and set(snap.ignored) == {"best_cider", "history", "optimizer"}
+    loaded = load_torch_file(tmp_path / "fork.pt")
+    assert loaded["best_cider"] == 1.25 and type(loaded["best_cider"]) is np.float64
+    np.testing.assert_array_equal(loaded["history"], [0.0, 1.0, 2.0])
+    assert int(loaded["optimizer"]["step"]) == 7
+
+
+def test_refused_and_unimportable_classes(snapshots, tmp_path):
+    """Any other pickled class is refused by name, with --allow_pickle as the way for trusted
+    files; under --allow_pickle a class whose module is missing is reported as such, not as a
+    damaged file."""
+    import argparse
+
+    enc, dec = snapshots["clevr_change_modules"]
+    states = {"change_detector_state": enc.state_dict(), "speaker_state": dec.state_dict()}
+    torch.save({**states, "model_cfg": argparse.Namespace(att_head=4)}, tmp_path / "ns.pt")
     with pytest.raises(CheckpointFormatError, match="argparse.Namespace.*--allow_pickle"):
         read_official_snapshot(tmp_path / "ns.pt")
     assert read_official_snapshot(tmp_path / "ns.pt", allow_pickle=True).model_cfg.att_head == 4
+
+    payload = type("Payload", (), {"__module__": "evil.payload"})
+    not_config = type("AttrDict", (dict,), {"__module__": "evil.payload"})  # wrong module
+    for cls in (payload, not_config):
+        path = tmp_path / f"{cls.__qualname__}.pt"
+        _save_importable(path, {**states, "model_cfg": cls()}, "evil.payload", cls)
+        with pytest.raises(CheckpointFormatError,
+                           match=rf"pickles the Python object evil\.payload\.{cls.__qualname__}"
+                                 r", which the safe loader does not construct.*--allow_pickle"):
+            _convert("clevr_change", path, tmp_path)
+        with pytest.raises(CheckpointFormatError) as info:
+            _convert("clevr_change", path, tmp_path, allow_pickle=True)
+        message = str(info.value)
+        assert (f"pickles evil.payload.{cls.__qualname__}, whose module evil.payload cannot be "
+                "imported here: ModuleNotFoundError: No module named 'evil'") in message
+        assert "damaged" not in message and "truncated" not in message
 
 
 def test_wrong_model(snapshots, tmp_path):
@@ -481,10 +563,10 @@ def test_wrong_model(snapshots, tmp_path):
 
 
 def _edited(snapshots, tmp_path: Path, edit) -> Path:
-    saved = torch.load(snapshots["clevr_change"], weights_only=True)
+    saved = tsnapshot.load_official_snapshot(snapshots["clevr_change"])
     edit(saved)
     path = tmp_path / "edited.pt"
-    torch.save(saved, path)
+    tsnapshot.torch_save(saved, path)
     return path
 
 

@@ -380,7 +380,7 @@ def test_wrong_shaped_key(snapshots, tmp_path):
     saved = tsnapshot.load_official_snapshot(snapshots["scorer"])
     saved["speaker_state"]["core.fc.0.weight"] = torch.zeros(HID, WORD + 1)
     bad = tmp_path / "bad.pt"
-    torch.save(saved, bad)
+    tsnapshot.torch_save(saved, bad)
     with pytest.raises(KeyMismatchError, match=r"speaker_state:core\.fc\.0\.weight.*\(64, 49\)"
                        r".*\(64, 48\)") as info:
         _convert(bad, tmp_path, extra_params=snapshots["cbr"])

@@ -6,7 +6,9 @@ argmax, and the official snapshot format."""
 from __future__ import annotations
 
 import math
+import pickle
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -508,11 +510,23 @@ def test_snapshot_round_trip(tmp_path):
     cd, sp, gen = tiny_scorer(seed=5)
     path = tmp_path / "SCORER+CBR_checkpoint_1000.pt"
     snapshot.save_official_snapshot(path, cd, sp)
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    # Like the official files: the config pickles as utils.attr_dict.AttrDict, which the
+    # weights-only loader refuses and which is importable only while saving.
+    with pytest.raises(pickle.UnpicklingError, match=r"utils\.attr_dict\.AttrDict"):
+        torch.load(path, map_location="cpu", weights_only=True)
+    assert "utils.attr_dict" not in sys.modules
+    loaded = snapshot.load_official_snapshot(path)
     assert set(loaded) == {"change_detector_state", "speaker_state", "model_cfg"}
     _assert_same_state(loaded["change_detector_state"], cd)
     _assert_same_state(loaded["speaker_state"], sp)
-    assert loaded["model_cfg"] == {"change_detector": cd.config, "speaker": sp.config}
+    cfg = loaded["model_cfg"]
+    assert type(cfg.model.transformer_encoder) is snapshot.AttrDict
+    assert cfg.train.optim.lr == 2e-4 and cfg.gpu_id == [0] and cfg.train.start_from is None
+    encoder, decoder = dict(cfg.model.transformer_encoder), dict(cfg.model.transformer_decoder)
+    assert decoder.pop("share_wd_cls_weight") is False
+    for section in (encoder, decoder):
+        section["num_layers"] = section.pop("att_layer")
+    assert encoder == cd.config and decoder == sp.config
 
     # Loading into freshly initialised modules reproduces the outputs exactly.
     cd2, sp2, _ = tiny_scorer(seed=6)

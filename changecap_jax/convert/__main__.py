@@ -11,7 +11,7 @@ Supported models: DIRL+CCR (configs/dirl.py:clevr_change / clevr_dc), SCORER+CBR
 (SCORER's CBR ``generator`` is never in the official snapshot: pass its state_dict with
 --extra_params, or --missing=init to initialise it as the trainer does. IDC-PCL takes the
 fine-tuning state_dict or the pretraining checkpoint {'global_step', 'model_state_dict',
-'task_batch_num'}; the latter is restored as finetune.py does (reference §5.4): every key but
+'task_batch_num'}; the latter is restored as yaolinli/IDC clver/finetune.py does: every key but
 the pooler's, feat_regress.* dropped, the pooler initialised as the trainer does; with
 --config=configs/idc_pcl.py:pretrain/DATASET a pretraining checkpoint converts whole. Its token
 rows are reordered from the authors' dict.json to the built dataset's vocabulary.)
@@ -19,18 +19,22 @@ rows are reordered from the authors' dict.json to the built dataset's vocabulary
     --config=configs/MODEL.py[:PRESET]  the config the checkpoint will be used with (same flags as
                                         changecap_jax.main, e.g. --config.model.num_heads=8)
     --torch_checkpoint=PATH             official snapshot, e.g. dirl_ccr_clevr_change_checkpoint_
-                                        15000.pt (reference §3.6 / §4.5, IDC-PCL §6)
+                                        15000.pt as train.py of tuyunbin/SCORER or tuyunbin/DIRL
+                                        saves it (its AttrDict model_cfg is read as plain
+                                        mappings), or an IDC-PCL file (yaolinli/IDC)
     --dict_json=PATH                    IDC-PCL only (required): the authors' dict.json
     --workdir=DIR                       writes DIR/checkpoints/<step>; then run
                                         python -m changecap_jax.main --config=... --workdir=DIR
                                         --mode=eval
     --extra_params=PATH                 torch state_dict of parameters the snapshot lacks
-                                        (SCORER's CBR, reference S-Q1)
+                                        (SCORER's CBR, which tuyunbin/SCORER train.py does
+                                        not save)
     --missing=error|init                without --extra_params: fail (default) or initialise them
     --step=N                            checkpoint step (default: the snapshot's iteration or
                                         IDC-PCL's global_step, else 0)
-    --allow_pickle                      full pickle for files the safe loaders refuse (trusted
-                                        files only)
+    --allow_pickle                      full pickle for files the safe loaders refuse (they
+                                        name the refused class); trusted files only, and the
+                                        code that wrote the file must be importable
     --print_table                       print the key table (torch key -> Flax path) and exit
 
 Any problem (unreadable file, other model, missing / unexpected / mis-shaped key) exits with
