@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ import numpy as np
 from changecap_jax import models
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import Vocabulary
-from changecap_jax.jsonio import read_json, write_json_atomic
+from changecap_jax.jsonio import read_json, staging_dir, write_json_atomic
 from changecap_jax.models.base import conditioning_shapes
 
 FORMAT_VERSION = 1
@@ -230,7 +229,7 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
                        parameter_shapes(trainer.model, meta, trainer.max_len).items()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = staging_dir(out.parent, out.name)
     try:
         (tmp / PARAMS_FILE).write_bytes(flax.serialization.msgpack_serialize(
             jax.tree_util.tree_map(np.asarray, params)))

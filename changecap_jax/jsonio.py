@@ -1,4 +1,9 @@
-"""Files written atomically, and JSON read with errors that name the file."""
+"""Files written atomically, and JSON read with errors that name the file.
+
+Temp files and folders are made private by ``tempfile`` (0600 / 0700); the writers here give
+them the mode a plain ``open`` / ``mkdir`` would (0666 / 0777 less the umask) before they
+become the final file, so results on a shared machine are readable as the user's umask says.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,21 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def staging_dir(parent: str | os.PathLike, name: str) -> Path:
+    """A fresh hidden folder ``parent/.name.XXXX`` to fill and then ``os.replace`` onto
+    ``parent/name``, with the mode ``mkdir`` would give it (not mkdtemp's 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
+    os.chmod(tmp, 0o777 & ~current_umask())
+    return tmp
+
+
 def atomic_write(
     path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False
 ) -> None:
@@ -19,6 +39,7 @@ def atomic_write(
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         mode = {"mode": "wb"} if binary else {"mode": "w", "encoding": "utf-8"}
         with os.fdopen(fd, **mode) as fh:
             write(fh)

@@ -57,7 +57,6 @@ import math
 import re
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
@@ -67,6 +66,7 @@ from tqdm import tqdm
 
 from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
 from changecap_jax.data.vocab import Vocabulary, log_unknown_words
+from changecap_jax.jsonio import staging_dir
 
 FeatureFn = Callable[[Sequence[Path]], np.ndarray]  # image paths -> (N, H, W, C) grids
 SPLIT_FLAGS = {"1": "train", "0": "test"}
@@ -611,7 +611,7 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
     negative_records = (caption_negatives(source, vocab, seed=negatives_seed, pos=pos,
                                           progress=progress) if negatives and vocab else {})
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = staging_dir(out.parent, out.name)
     try:
         counts, shape = {}, None
         for split in sorted({e.split for e in source.examples}):

@@ -73,7 +73,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,6 +81,7 @@ import numpy as np
 from tqdm import tqdm
 
 from changecap_jax.data import entity_inputs
+from changecap_jax.jsonio import atomic_write, staging_dir
 from data_prep import entities as entity_lib
 
 FORMAT = entity_inputs.FORMAT
@@ -501,11 +501,7 @@ class ClipBackbone:
 
 
 def _save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".npz",
-                                     delete=False) as f:
-        np.savez(f, **arrays)
-    Path(f.name).replace(path)
+    atomic_write(path, lambda fh: np.savez(fh, **arrays), binary=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,7 +609,7 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
     entity_emb = model.encode_texts(texts)
     orientations = [o for o in ORIENTATION_IMAGES
                     if o == "semantic" or dataset.meta.has_distractor]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{RETRIEVAL_DIR}.", dir=dataset.directory))
+    tmp = staging_dir(dataset.directory, RETRIEVAL_DIR)
     try:
         accuracy, sizes = {}, {}
         for split in splits:
