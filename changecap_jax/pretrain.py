@@ -481,6 +481,9 @@ class PretrainTrainer(train.Trainer):
         if config.model.get("stage") != "pretrain":
             raise PretrainError("pretraining needs config.model.stage = 'pretrain', got "
                                 f"{config.model.get('stage')!r}")
+        if config.get("compute_dtype", "float32") != "float32":
+            raise PretrainError("pretraining computes in float32 only (config.compute_dtype = "
+                                f"{config.compute_dtype!r}); fine-tuning takes bfloat16")
         extra_meta = self._extra_meta(pre)
         if extra_meta is not None and extra_meta["task"] == extra_source.CLASSIFY:
             # The class count sizes the model's fgvc_classifier: it comes from the source.

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import decoding, evaluation, export, models, parallel
+from changecap_jax import decoding, evaluation, export, models, parallel, precision
 from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
@@ -168,16 +168,20 @@ def make_optimizer(optim: ml_collections.ConfigDict, steps_per_epoch: int) -> An
 # ---------------------------------------------------------------------------------------------
 
 
-def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any) -> Any:
+def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any,
+                 compute_dtype: Any = jnp.float32) -> Any:
     """(params, batch, rng) -> (total loss, metrics), formed over the GLOBAL batch.
 
     The model runs inside ``shard_map`` on each device's share; its batch-wide losses gather
     what they need over the ``data`` axis, and the caption cross-entropy divides by the global
-    count of real tokens, so the result equals a single-device computation.
+    count of real tokens, so the result equals a single-device computation. The parameters and
+    the floating inputs are cast to ``compute_dtype`` inside the differentiated function, so
+    gradients come back in the parameters' float32 (changecap_jax/precision.py).
     """
     axis = parallel.DATA_AXIS
 
     def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        params, batch = precision.cast_floating((params, batch), compute_dtype)
         # Each device draws its own dropout masks; "inputs" is the same key everywhere, so
         # per-example input corruption can fold in the global example index (models/base.py).
         dropout_rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
@@ -211,10 +215,11 @@ def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any) -> Any:
 def make_train_step(
     model: Any, optimizer: Any, loss_weights: dict[str, float], mesh: Any,
     zero_grad_rows: dict[str, int], schedule: Any, *, with_grads: bool = False,
+    compute_dtype: Any = jnp.float32,
 ) -> Any:
     """The jitted update (state, global batch) -> (state, metrics); with ``with_grads`` the
     gradients come back as a third output (for tests: one compile gives both)."""
-    loss_fn = make_loss_fn(model, loss_weights, mesh)
+    loss_fn = make_loss_fn(model, loss_weights, mesh, compute_dtype)
 
     def train_step(state: TrainState, batch: dict) -> tuple:
         step_rng = jax.random.fold_in(state.rng, state.step)
@@ -303,15 +308,17 @@ class Trainer:
         self.steps_per_epoch = math.ceil(num_train / config.batch_size)
         self.optimizer, self.schedule = make_optimizer(config.optim, self.steps_per_epoch)
         self.rng = jax.random.PRNGKey(config.seed)
+        self.compute_dtype = precision.compute_dtype(config.get("compute_dtype", "float32"))
         self.train_step = make_train_step(
             self.model, self.optimizer, dict(config.loss_weights), self.mesh,
-            dict(config.optim.zero_grad_rows), self.schedule)
+            dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
         # The distractor classifier's jitted log-probs (B, 2) for evaluation, if it has one.
         self.judge = (jax.jit(lambda params, before, after: jax.nn.log_softmax(
-            self.model.apply({"params": params}, before, after,
-                             method=self.model.classify_distractor)))
+            self.model.apply(*precision.cast_floating(({"params": params}, before, after),
+                                                      self.compute_dtype),
+                             method=self.model.classify_distractor).astype(jnp.float32)))
             if hasattr(self.model, "classify_distractor") else None)
 
     @property
@@ -447,6 +454,8 @@ class Trainer:
 
     def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
                   key: jax.Array, conditioning: dict[str, jax.Array] | None = None) -> jax.Array:
+        params, before, after, conditioning = precision.cast_floating(
+            (params, before, after, conditioning), self.compute_dtype)
         variables = {"params": params}
         decode = self.config.decode
         if decode.get("beam_size", 1) > 1:

@@ -60,6 +60,9 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.final_eval_splits = ("val", "test")
     config.num_logged_examples = 4  # generated captions printed beside references at each eval
     config.swap_prob = 0.5  # official before/distractor swap augmentation
+    # Dtype of the forward pass (float32 | bfloat16); parameters, optimizer state, softmax,
+    # normalisation statistics and losses stay float32 (changecap_jax/precision.py).
+    config.compute_dtype = "float32"
     config.optim = ml_collections.ConfigDict({
         "learning_rate": 2e-4,
         "b1": 0.9,

@@ -85,6 +85,7 @@ from changecap_jax.models.layers import (
     TorchDense,
     grid_input,
     make_attention_mask,
+    model_input,
     sinusoid_table,
     torch_layer_norm,
 )
@@ -124,7 +125,8 @@ class RepresentationEnhancement(nn.Module):
         self.norm = torch_layer_norm(self.layer_norm_eps)
 
     def __call__(self, source: Array, target: Array) -> tuple[Array, Array]:
-        probs = jax.nn.softmax(self.similarity_scale * cosine_similarity(target, source), -1)
+        similarity = cosine_similarity(target, source).astype(jnp.float32)  # softmax in f32
+        probs = jax.nn.softmax(self.similarity_scale * similarity, -1).astype(target.dtype)
         strongest = jnp.max(probs, axis=-1, keepdims=True)  # (B, Nt, 1)
         if self.mode == "difference":
             strongest = 1.0 - strongest
@@ -256,7 +258,8 @@ class GatedDecoderLayer(nn.Module):
         if self.gate_activation == "sigmoid":
             return jax.nn.sigmoid(a), jax.nn.sigmoid(b)
         if self.gate_activation == "softmax":
-            both = jax.nn.softmax(jnp.concatenate([a, b], axis=-1), axis=-1)
+            both = jax.nn.softmax(jnp.concatenate([a, b], axis=-1).astype(jnp.float32),
+                                  axis=-1).astype(a.dtype)
             return both[..., :1], both[..., 1:]
         return a, b
 
@@ -388,7 +391,7 @@ class CHEERS(nn.Module):
             got = None if entities is None else tuple(entities.shape)
             raise ValueError(f"CHEERS reads retrieved entities of shape (B, {want[0]}, "
                              f"{want[1]}) (num_entities, entity_dim); got {got}")
-        return self.entity_proj(jnp.asarray(entities, jnp.float32))
+        return self.entity_proj(model_input(entities))
 
     def _encode(self, before: Array, after: Array, entities: Array | None, *, train: bool,
                 axis_name: str | None = None) -> tuple[tuple[Array, Array | None], dict]:
@@ -412,7 +415,8 @@ class CHEERS(nn.Module):
     # ---- decoder ----------------------------------------------------------------------------
 
     def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
-        x = self.word_fc(self.embed(ids) + pe)
+        words = self.embed(ids)
+        x = self.word_fc(words + pe.astype(words.dtype))
         return self.dropout(x, deterministic=deterministic)
 
     def _decode(self, memory: tuple[Array, Array | None], ids: Array, *, train: bool) -> Array:

@@ -63,10 +63,11 @@ def multi_head_attend(
     qh = q.reshape(b, lq, num_heads, dh)
     kh = k.reshape(b, k.shape[1], num_heads, dh)
     vh = v.reshape(b, v.shape[1], num_heads, dh)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", qh, kh) / math.sqrt(dh)
+    # Scores, mask and softmax in float32 whatever the compute dtype (changecap_jax/precision.py).
+    scores = jnp.einsum("bqhd,bkhd->bhqk", qh, kh).astype(jnp.float32) / math.sqrt(dh)
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
     # A decoder's cross-attention (models/base.py ATTENTION); not at init, which would keep it.
     if sow_to is not None and not sow_to.is_initializing():
         sow_to.sow(ATTENTION, "probs", probs)
@@ -124,10 +125,12 @@ class SpeakerAttention(nn.Module):
     def step_self(self, x: Array, index: Array) -> Array:
         """x (B, 1, E) at position ``index`` attends to positions 0..index (full-recompute row
         ``index`` of the causal mask; later positions get the additive -10000)."""
+        cached_keys = self.get_variable("cache", "cached_key")
+        cached_values = self.get_variable("cache", "cached_value")
         keys = jax.lax.dynamic_update_slice(
-            self.get_variable("cache", "cached_key"), self.key(x), (0, index, 0))
+            cached_keys, self.key(x).astype(cached_keys.dtype), (0, index, 0))
         values = jax.lax.dynamic_update_slice(
-            self.get_variable("cache", "cached_value"), self.value(x), (0, index, 0))
+            cached_values, self.value(x).astype(cached_values.dtype), (0, index, 0))
         self.put_variable("cache", "cached_key", keys)
         self.put_variable("cache", "cached_value", values)
         visible = (jnp.arange(keys.shape[1]) <= index).astype(jnp.float32)
@@ -234,7 +237,8 @@ class Speaker(nn.Module):
 
     def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         """``fc``(embed(ids) + pe): Linear -> Dropout -> LayerNorm."""
-        x = self.dropout(self.fc_0(self.embed(ids) + pe), deterministic=deterministic)
+        words = self.embed(ids)
+        x = self.dropout(self.fc_0(words + pe.astype(words.dtype)), deterministic=deterministic)
         return self.fc_2(x)
 
     def __call__(self, memory: Array, ids: Array, *, train: bool) -> tuple[Array, Array]:

@@ -355,7 +355,8 @@ class CCRDecoder(nn.Module):
 
     def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         """``fc``(embed(ids) + pe): Linear [-> LN] -> Dropout."""
-        x = self.fc_0(self.embed(ids) + pe)
+        words = self.embed(ids)
+        x = self.fc_0(words + pe.astype(words.dtype))  # the PE table is float32
         if self._has_layer_norms:
             x = self.fc_1(x)
         return self.dropout(x, deterministic=deterministic)

@@ -107,7 +107,12 @@ from changecap_jax.models.base import (
     pair_streams,
 )
 from changecap_jax.models.dropout import Dropout
-from changecap_jax.models.layers import Initializer, TorchDense, torch_default_kernel_init
+from changecap_jax.models.layers import (
+    Initializer,
+    TorchDense,
+    model_input,
+    torch_default_kernel_init,
+)
 
 Array = jax.Array
 
@@ -154,9 +159,11 @@ class IDCLayerNorm(nn.Module):
         d = x.shape[-1]
         a_2 = self.param("a_2", nn.initializers.ones, (d,), jnp.float32)
         b_2 = self.param("b_2", nn.initializers.zeros, (d,), jnp.float32)
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        std = jnp.sqrt(jnp.sum((x - mean) ** 2, axis=-1, keepdims=True) / (d - 1))
-        return a_2 * (x - mean) / (std + self.eps) + b_2
+        # Statistics in float32 whatever the compute dtype (changecap_jax/precision.py).
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        std = jnp.sqrt(jnp.sum((xf - mean) ** 2, axis=-1, keepdims=True) / (d - 1))
+        return (a_2 * (xf - mean) / (std + self.eps) + b_2).astype(x.dtype)
 
 
 class PositionalEmb(nn.Module):
@@ -190,7 +197,7 @@ class PositionalEmb(nn.Module):
         if mode != "cls":
             if positions is None:
                 positions = jnp.arange(x.shape[1])
-            x = x + jnp.asarray(self.pe)[positions]
+            x = x + jnp.asarray(self.pe)[positions].astype(x.dtype)
         return self.dropout(self.layernorm(x), deterministic=deterministic)
 
 
@@ -223,10 +230,11 @@ class MultiHeadAttention(nn.Module):
         to (B, Lq, Lk), True = attend. Returns the output and the probabilities (B, H, Lq, Lk)."""
         q = self._split(self.q_linear(x))
         # Scale after the product, as the official code does.
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.dim // self.num_heads)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)  # softmax in f32
+        scores = scores / math.sqrt(self.dim // self.num_heads)
         if mask is not None:
             scores = jnp.where(mask[:, None], scores, MASKED_SCORE)
-        probs = jax.nn.softmax(scores, axis=-1)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", self.dropout(probs, deterministic=deterministic), v)
         return self.out(ctx.reshape(*ctx.shape[:-2], self.dim)), probs
 
@@ -387,8 +395,9 @@ class FinetuneOutput(NamedTuple):
 
 
 def _tokens(x: Array) -> Array:
-    """(B, H, W, C) channels-last grid or (B, N, C) tokens -> float32 (B, N, C), row-major."""
-    x = jnp.asarray(x, jnp.float32)
+    """(B, H, W, C) channels-last grid or (B, N, C) tokens -> (B, N, C), row-major, in the
+    compute dtype (layers.model_input)."""
+    x = model_input(x)
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
 
 

@@ -320,8 +320,17 @@ def sinusoid_table(length: int, dim: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
+def model_input(x: jax.Array) -> jax.Array:
+    """A stored input as the model computes it: bfloat16 stays bfloat16 (the trunk cast it to
+    config.compute_dtype, changecap_jax/precision.py); anything else (float16 or float64
+    features, integer test inputs) becomes float32."""
+    x = jnp.asarray(x)
+    return x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+
+
 def grid_input(x: jax.Array, use_coordinates: bool) -> jax.Array:
-    """Stored grid features -> float32 model input, with the two coordinate channels where
-    the model uses them (AddSpatialInfo runs on-device, on CLEVR-Change only; §2.3)."""
-    x = jnp.asarray(x, jnp.float32)
+    """Stored grid features -> model input (:func:`model_input`), with the two coordinate
+    channels where the model uses them (AddSpatialInfo runs on-device, on CLEVR-Change only;
+    §2.3)."""
+    x = model_input(x)
     return add_spatial_coordinates(x) if use_coordinates else x

@@ -298,7 +298,8 @@ class BiasFreeSelfAttention(nn.Module):
         split = lambda y: y.reshape(b, n, self.num_heads, dh)
         q = split(self.q_proj(x)) * (1.0 / math.sqrt(dh))
         k, v = split(self.k_proj(x)), split(self.v_proj(x))
-        probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)  # softmax in f32
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, e)
         return self.out_proj(ctx)
 
