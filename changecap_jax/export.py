@@ -325,4 +325,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Export directory to create.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: best by val CIDEr, else latest).")
     flags.DEFINE_string("weights", None, "ResNet-101 weights to record for predict.")
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     app.run(main)

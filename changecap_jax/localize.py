@@ -96,4 +96,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("split", "test", "Split.")
     flags.DEFINE_integer("beam_size", 1, "Beam size (1 = greedy).")
     flags.DEFINE_string("data_dir", None, "Dataset root, if not the training one.")
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     app.run(main)

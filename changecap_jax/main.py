@@ -76,4 +76,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     app.run(main)

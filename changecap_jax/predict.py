@@ -314,4 +314,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch_size", 16, "Pairs per decoding batch.")
     flags.DEFINE_string("weights", None, "ResNet-101 weights (overrides the export's).")
     flags.DEFINE_string("device", None, "torch device for ResNet-101 (default: cuda if any).")
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     app.run(main)

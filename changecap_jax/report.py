@@ -208,4 +208,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("step", None, "Evaluation step (default: the latest).")
     flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report_SPLIT_STEP.html).")
     flags.DEFINE_integer("max_gallery", 500, "Pairs in the gallery (worst CIDEr first).")
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     app.run(main)

@@ -751,5 +751,8 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
 if __name__ == "__main__":
     import sys
 
+    from changecap_jax import compile_cache
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    compile_cache.enable()  # the synthetic backbone's training step is jitted
     sys.exit(main(sys.argv))
