@@ -91,5 +91,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from changecap_jax import compile_cache
+
+    compile_cache.enable()
     flags.mark_flags_as_required(["config", "torch_checkpoint"])
     app.run(main)
