@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from changecap_jax.jsonio import atomic_write
+
 
 class MetricWriter:
     def __init__(self, logdir: str | os.PathLike, enabled: bool = True,
@@ -43,6 +45,26 @@ class MetricWriter:
                 fh.write(line + "\n")
         logging.info("[%d] %s", step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
+    def truncate_after(self, step: int) -> int:
+        """Drops the scalars-file lines logged after ``step`` (a resume replays those steps,
+        which would log them twice); returns how many were dropped. Atomic rewrite."""
+        if not self.enabled or self._scalars_file is None or not self._scalars_file.exists():
+            return 0
+        lines = self._scalars_file.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _line_step(line) <= step]
+        if len(kept) < len(lines):
+            atomic_write(self._scalars_file, lambda fh: fh.writelines(kept))
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _line_step(line: str) -> float:
+    """The step of one scalars-file line; a damaged line (a crash mid-write) sorts last, so a
+    resume drops it."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf

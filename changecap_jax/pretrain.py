@@ -788,6 +788,7 @@ class PretrainTrainer(train.Trainer):
         iterators = self.iterators()
         if manager.latest_step() is not None:
             state = self.restore_all(manager, state, iterators)
+            writer.truncate_after(int(state.step))
         elif config.get("init_from", ""):
             state = state.replace(params=train.init_params_from(
                 state.params, config.init_from, tuple(config.get("init_exclude", ()))))

@@ -390,6 +390,7 @@ class Trainer:
         iterator = iter(self.train_loader())
         if manager.latest_step() is not None:
             state = self.restore(manager, state, iterator)
+            writer.truncate_after(int(state.step))
         elif config.get("init_from", ""):
             state = state.replace(params=init_params_from(
                 state.params, config.init_from, tuple(config.get("init_exclude", ()))))
@@ -426,15 +427,21 @@ class Trainer:
             if do_eval:
                 final = step == total_steps and not stopper.enabled
                 splits = config.final_eval_splits if final else config.eval_splits
-                last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
+                try:
+                    last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
+                except Exception:
+                    # Keep the training since the last save: checkpoint, then report.
+                    logging.error("evaluation at step %d failed; saved the checkpoint of step "
+                                  "%d first, so a rerun resumes here", step, step)
+                    _save(manager, step, state, iterator, None)
+                    manager.wait_until_finished()
+                    raise
                 if stopper.enabled:
                     stop = stopper.update(step, last_eval, state)
             if do_save:
                 saved_metrics = ({"val_CIDEr": last_eval["val"].get("CIDEr", 0.0)}
                                  if do_eval and "val" in last_eval else None)
-                manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    data=grain.checkpoint.CheckpointSave(iterator)), metrics=saved_metrics)
+                _save(manager, step, state, iterator, saved_metrics)
             if stop:
                 logging.info("early stop at step %d: val %s has not improved for %d "
                              "evaluations (best %.4f at step %d)", step, stopper.metric,
@@ -670,6 +677,14 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     logging.info("init_from %s (step %d): %d parameters copied, %d fresh: %s", workdir, step,
                  len(copied), len(skipped), skipped[:20])
     return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _save(manager: ocp.CheckpointManager, step: int, state: TrainState, iterator: Any,
+          metrics: dict[str, float] | None) -> None:
+    """Checkpoints the state and the data iterator's position at ``step``."""
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)),
+        metrics=metrics)
 
 
 def _share_from_main(value: float) -> float:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -57,6 +58,39 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     for (step, resumed), (_, uninterrupted) in zip(second.history, full.history[3:], strict=True):
         assert resumed["loss"] == uninterrupted["loss"], step
         assert resumed["loss/dirl"] == uninterrupted["loss/dirl"], step
+
+
+def _logged_steps(workdir: Path) -> list[int]:
+    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_resume_drops_the_scalars_of_replayed_steps(data_dir, tmp_path):
+    """A crash after logging steps the last checkpoint does not hold: the resume replays them
+    and scalars.jsonl keeps one line per step (a half-written last line is dropped too)."""
+    train.Trainer(tiny_config(data_dir, num_train_steps=3), tmp_path).train()
+    with (tmp_path / train.SCALARS_FILE).open("a") as fh:
+        fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
+    train.Trainer(tiny_config(data_dir, num_train_steps=5), tmp_path).train()
+    assert _logged_steps(tmp_path) == [1, 2, 3, 4, 5]
+    assert 9.0 not in [json.loads(x)["loss"]
+                       for x in (tmp_path / train.SCALARS_FILE).read_text().splitlines()]
+
+
+def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp_path):
+    """A damaged val shard fails the evaluation at step 2: the state of step 2 is saved
+    before the error surfaces, so a rerun resumes there instead of at step 0."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    (shard,) = data.rglob("*-val.array_record-*")
+    raw = bytearray(shard.read_bytes())
+    raw[64:-256] = b"\xff" * len(raw[64:-256])  # records garbage, file footer intact
+    shard.write_bytes(bytes(raw))
+    config = tiny_config(str(data), num_train_steps=4, eval_every_steps=2, eval_splits=("val",))
+    with pytest.raises(Exception):  # noqa: B017 - whatever the reader raises for the damage
+        train.Trainer(config, tmp_path / "run").train()
+    manager = train.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
+    assert manager.all_steps() == [2]
 
 
 def test_learning_rate_steps_per_epoch():
