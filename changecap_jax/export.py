@@ -82,6 +82,17 @@ def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(tuples(data))
 
 
+def _check_trained_workdir(workdir: Path) -> None:
+    """Errors naming what is missing when ``workdir`` holds no training run."""
+    if not workdir.is_dir():
+        raise ExportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
+                          "run (python -m changecap_jax.main --workdir=...)")
+    checkpoints = workdir / "checkpoints"
+    if not checkpoints.is_dir() or not any(checkpoints.iterdir()):
+        raise ExportError(f"{workdir} holds no checkpoint ({checkpoints} is missing or empty): "
+                          "nothing was trained there")
+
+
 def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     path = Path(workdir) / CONFIG_FILE
     if not path.exists():
@@ -204,6 +215,7 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
     workdir, out = Path(workdir), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
+    _check_trained_workdir(workdir)  # before the trainer, which would create checkpoints/
     config = config if config is not None else load_workdir_config(workdir)
     trainer = train.Trainer(config, workdir)
     manager = trainer.checkpoint_manager()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,25 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
             return np.asarray(im.convert("RGB"))
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise PredictError(f"cannot read image {path}: {e}") from e
+
+
+def size_mismatch(before: Path, after: Path) -> str | None:
+    """A warning when the two images of a pair differ in size, else None. Each image is
+    resized to the model's grid on its own, so the grid cells of the two then cover different
+    parts of the scene (the datasets' pairs are always the same size)."""
+    sizes = []
+    for path in (before, after):
+        try:
+            with Image.open(path) as im:
+                sizes.append(im.size)
+        except (UnidentifiedImageError, OSError):
+            return None  # read_image reports the file when it is read
+    if sizes[0] == sizes[1]:
+        return None
+    (wb, hb), (wa, ha) = sizes
+    return (f"the pair's images differ in size ({before}: {wb}x{hb}, {after}: {wa}x{ha}); each "
+            "is resized to the model's grid separately, so their grid cells cover different "
+            "parts of the scene: crop or resize them to one size for a faithful comparison")
 
 
 def read_pairs(path: str | os.PathLike) -> list[tuple[Path, Path]]:
@@ -258,6 +278,10 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
                 "beam_size": beam_size, "length_penalty": length_penalty}
     results: list[Prediction] = []
     bar = tqdm(total=len(pairs), desc="predict", disable=not progress or len(pairs) < 2)
+    for before, after in pairs:
+        warning = size_mismatch(Path(before), Path(after))
+        if warning:
+            logging.warning("%s", warning)
     for start in range(0, len(pairs), batch_size):
         chunk = list(pairs[start:start + batch_size])
         feats_b = extractor([b for b, _ in chunk])

@@ -57,7 +57,8 @@ def test_bfloat16_forward_and_losses_near_float32(name, preset):
         out[dtype] = jax.device_get(fn(params, batch, rng)[1])
         # The forward itself ran in the compute dtype: the logits come out in it.
         cast_params, cast_batch = precision.cast_floating((params, batch), dtype)
-        logits = model.apply({"params": cast_params}, cast_batch, train=False).caption_logits
+        logits = jax.eval_shape(lambda p, b: model.apply({"params": p}, b, train=False),
+                                cast_params, cast_batch).caption_logits
         assert {v.dtype for v in logits.values()} == {jnp.dtype(dtype)}, name
     f32, bf16 = out[jnp.float32], out[jnp.bfloat16]
     assert set(f32) == set(bf16)

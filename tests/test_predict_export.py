@@ -78,6 +78,12 @@ def test_export_refuses_and_load_names_problems(trained, tmp_path):
         export.export_model(workdir, model_dir)
     with pytest.raises(export.ExportError, match="no checkpoint of step 7"):
         export.export_model(workdir, tmp_path / "x", step=7)
+    # No training run there: the error says so and nothing is created.
+    (tmp_path / "empty").mkdir()
+    for name, message in (("absent", "does not exist"), ("empty", "holds no checkpoint")):
+        with pytest.raises(export.ExportError, match=message):
+            export.export_model(tmp_path / name, tmp_path / "y")
+        assert not (tmp_path / name / "checkpoints").exists() and not (tmp_path / "y").exists()
 
     def damaged(name: str, edit) -> Path:
         copy = tmp_path / name
@@ -184,6 +190,7 @@ def test_predict_command_line(trained, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "cli" / "pair_0000.json").read_text())
     assert record["beam_size"] == 3 and f"-> {jpeg}: {record['caption']}" in done.stdout
+    assert "the pair's images differ in size" in done.stderr and "173x131" in done.stderr
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image")
