@@ -18,6 +18,9 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
             "num_val": 300,
             "num_test": 600,
             "feature_shape": (8, 8, 64),
+            # Stored dtype of the feature grids: float16 | float32 | bfloat16 (the model
+            # upcasts to float32 on the device; half precision halves the bytes read).
+            "feature_dtype": "float16",
         },
     })
 
