@@ -56,7 +56,9 @@ class ReadAhead:
     """
 
     workers: int = 0
-    threads: int = 1
+    # Two: reading is mostly array_record's decompression, which releases the GIL, so a
+    # second thread gives a process 1.6-2x the rate (README, "Input pipelines").
+    threads: int = 2
     prefetch: int = 2
 
     def __post_init__(self) -> None:
@@ -77,7 +79,8 @@ def read_ahead(data: Mapping[str, Any] | None, *, training: bool) -> ReadAhead:
     if unknown:
         raise ValueError(f"config.data has unknown key(s) {unknown}; known: {list(DATA_KEYS)}")
     return ReadAhead(workers=data.get("workers" if training else "eval_workers", 0),
-                     threads=data.get("threads", 1), prefetch=data.get("prefetch", 2))
+                     threads=data.get("threads", ReadAhead.threads),
+                     prefetch=data.get("prefetch", ReadAhead.prefetch))
 
 
 def _stream(batches: grain.MapDataset, read: ReadAhead) -> grain.DatasetIterator:
@@ -268,7 +271,7 @@ def train_loader(
     read: ReadAhead | None = None,
 ) -> TrainLoader:
     """An endless loader of this process's local training batches. ``read`` sets workers,
-    threads and prefetch (default: ``worker_count`` workers, one reading thread)."""
+    threads and prefetch (default: ``ReadAhead`` with ``worker_count`` workers)."""
     local_batch = _check_batch(global_batch_size, process_count)
     if len(source) < global_batch_size:
         raise ValueError(
@@ -317,7 +320,7 @@ def eval_batches(
 
     Each batch holds the record fields (host fields as object arrays) plus ``mask`` (bool):
     False marks padding, which repeats a real record so shapes stay fixed. ``read``: workers,
-    threads and prefetch (default: one reading thread in this process).
+    threads and prefetch (default: ``ReadAhead()``, reading threads in this process).
     """
     local_batch = _check_batch(global_batch_size, process_count)
     num_batches = num_eval_batches(len(source), global_batch_size)
