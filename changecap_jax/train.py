@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -354,12 +355,23 @@ class Trainer:
 
         return init()
 
-    def train_loader(self) -> grain.DataLoader:
+    def train_loader(self) -> pipeline.TrainLoader:
+        """This process's training batches, read as ``config.data`` says (workers, threads,
+        prefetch); the batches and the checkpointed position do not depend on it."""
         return pipeline.train_loader(
             self.dataset.split("train"), global_batch_size=self.config.batch_size,
             seed=self.config.seed, process_index=jax.process_index(),
             process_count=jax.process_count(), swap_prob=self.config.swap_prob,
-            pair_fields=self.dataset.pair_fields)
+            pair_fields=self.dataset.pair_fields,
+            read=pipeline.read_ahead(self.config.get("data"), training=True))
+
+    def eval_batches(self, source: Any) -> Iterator[dict[str, Any]]:
+        """This process's eval batches of ``source`` (``pipeline.eval_batches``), read as
+        ``config.data`` says (``eval_workers``, threads, prefetch)."""
+        return pipeline.eval_batches(
+            source, global_batch_size=self.config.eval_batch_size,
+            process_index=jax.process_index(), process_count=jax.process_count(),
+            read=pipeline.read_ahead(self.config.get("data"), training=False))
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         return make_checkpoint_manager(self.workdir / "checkpoints", self.config.keep_checkpoints)
@@ -491,9 +503,7 @@ class Trainer:
         extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
         key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), step)
         streams = [s for s in STREAM_INPUTS if s in self.model_streams()]
-        batches = pipeline.eval_batches(source, global_batch_size=G,
-                                        process_index=process_index,
-                                        process_count=process_count)
+        batches = self.eval_batches(source)
         total = pipeline.num_eval_batches(len(source), G)
         # The §5.6 val pass's distractor accuracy, where the model and the split allow it.
         judge = self.judge if "distractor" in streams else None

@@ -1,8 +1,9 @@
 """Builds a dataset into a TFDS (ArrayRecord) data dir.
 
-    python -m data_prep.build synthetic --data_dir=DIR [--config=moderate|extreme] [--seed=N]
+    python -m data_prep.build synthetic --data_dir=DIR [--config=moderate|extreme] [--seed=N] \\
+        [--feature_shape=H,W,C] [--feature_dtype=float16|float32|bfloat16]
     python -m data_prep.build DATASET --raw_dir=DIR [--features_dir=DIR] --data_dir=DIR \\
-        [--weights=resnet101.pth] [--layer=3|4] [--feature_dtype=float32|float16]
+        [--weights=resnet101.pth] [--layer=3|4] [--feature_dtype=float32|float16|bfloat16]
 
 DATASET is one of clevr_change, clevr_dc, spot_the_diff, image_editing_request,
 birds_to_words, read from its official raw download in ``--raw_dir``. With ``--features_dir``
@@ -10,8 +11,13 @@ the per-image ``<image name>.npy`` files (official naming, channels first, e.g. 
 precomputed archives or ``python -m data_prep.extract_features``) are used; without it the
 features are extracted during the build from ``--weights`` (a local torchvision ResNet-101
 state dict; CUDA when available). The dataset lands in ``DIR/DATASET/<variant>/<version>``
-(variant ``layer3`` / ``layer4``, plus ``_fp16``, ``_stdfix``, ``_len<N>`` when set) and is
-selected with ``--config.dataset.name=DATASET --config.dataset.data_dir=DIR``.
+(variant ``layer3`` / ``layer4``, plus ``_fp16``, ``_bf16``, ``_stdfix``, ``_len<N>`` when set)
+and is selected with ``--config.dataset.name=DATASET --config.dataset.data_dir=DIR``.
+
+``--feature_dtype`` (default: float32 for the real datasets, float16 for the synthetic one)
+is the stored dtype of the feature grids, recorded in ``meta.json``: float16 or bfloat16 halve
+the bytes every training step reads (1.2 MB instead of 2.4 MB per CLEVR-Change example at
+14x14x1024); the models upcast to float32 on the device.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ flags.DEFINE_string("features_dir", None,
 flags.DEFINE_string("weights", None, "Local torchvision ResNet-101 state dict, to extract.")
 flags.DEFINE_integer("layer", None, "ResNet-101 cut: 3 (1024x14x14) or 4 (2048x7x7); "
                      "default: the dataset's papers' choice.")
-flags.DEFINE_enum("feature_dtype", "float32", ["float32", "float16"],
-                  "Stored feature dtype (float16 halves the disk).")
+flags.DEFINE_enum("feature_dtype", None, ["float32", "float16", "bfloat16"],
+                  "Stored feature dtype; half precision halves the bytes read per example. "
+                  "Default: float32 for the real datasets, float16 for the synthetic one.")
 flags.DEFINE_boolean("std_fix", False, "Extract with blue std 0.225 instead of the official "
                      "0.224 typo.")
 flags.DEFINE_integer("max_caption_len", 0, "Cap captions at N tokens with <START>/<END> "
@@ -57,7 +64,8 @@ def build_real(name: str) -> datasets.PreparedDataset:
         raise app.UsageError(f"building {name} needs --raw_dir (its raw download)")
     cls = builders.builder_class(name)
     layer = FLAGS.layer or cls.DEFAULT_LAYER
-    config = make_config(layer, FLAGS.feature_dtype, FLAGS.std_fix, FLAGS.max_caption_len)
+    config = make_config(layer, FLAGS.feature_dtype or "float32", FLAGS.std_fix,
+                         FLAGS.max_caption_len)
     named = config.name if config.name in cls.builder_configs else config
     root = FLAGS.data_dir or str(datasets.default_data_dir())
     builder = cls(data_dir=root, config=named, file_format="array_record",
@@ -84,12 +92,14 @@ def main(argv: list[str]) -> None:
             "num_test": FLAGS.num_test,
             "feature_shape": tuple(int(v) for v in FLAGS.feature_shape),
         }
+        if FLAGS.feature_dtype:
+            options["feature_dtype"] = FLAGS.feature_dtype
         prepared = datasets.prepare(name, FLAGS.data_dir, FLAGS.config, options)
     else:
         prepared = build_real(name)
     meta = prepared.meta
     print(f"dataset {name} ({prepared.directory.parent.name}) ready in {prepared.directory}")
-    print(f"  splits: {meta.split_sizes}; features {meta.feature_shape}; "
+    print(f"  splits: {meta.split_sizes}; features {meta.feature_shape} {meta.feature_dtype}; "
           f"vocabulary {len(prepared.vocab)} words; captions <= {meta.max_caption_len}")
     for reason, n in sorted(meta.skipped.items()):
         print(f"  skipped {n}: {reason}")

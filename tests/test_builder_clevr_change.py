@@ -85,6 +85,32 @@ def test_trainer_pipeline_reads_the_dataset(built):
     assert batch["no_change_caption"].shape == (2, prepared.meta.max_caption_len)
 
 
+# (dtype, variant suffix, half a unit in the last place: relative, and absolute where
+# float16 runs out of exponent, its subnormal step 2**-24)
+@pytest.mark.parametrize("dtype, suffix, rtol, atol", [("float16", "_fp16", 2**-11, 2**-24),
+                                                        ("bfloat16", "_bf16", 2**-8, 1e-38)])
+def test_half_precision_variant_reads_back_in_half_the_bytes(built, tmp_path, dtype, suffix,
+                                                             rtol, atol):
+    from changecap_jax.data import schema
+
+    root, full = built
+    half = build("clevr_change", root, tmp_path, features_dir=root / "features",
+                 feature_dtype=dtype)
+    assert half.directory.parent.name == "layer3" + suffix
+    assert (half.meta.feature_dtype, full.meta.feature_dtype) == (dtype, "float32")
+    ratio = (schema.split_bytes(half.directory, "train")["record_bytes"]
+             / schema.split_bytes(full.directory, "train")["record_bytes"])
+    assert 0.45 < ratio < 0.55
+    for split in ("train", "val"):
+        low, ref = records(half, split), records(full, split)
+        assert sorted(low) == sorted(ref)
+        for image_id, rec in low.items():
+            for key in ("before", "after_semantic", "after_distractor"):
+                assert rec[key].dtype == np.dtype(schema.FEATURE_DTYPES[dtype])
+                np.testing.assert_allclose(rec[key].astype(np.float32), ref[image_id][key],
+                                           rtol=rtol, atol=atol, err_msg=f"{image_id} {key}")
+
+
 def _broken(tmp_path: Path, edit) -> Path:
     root = clevr_change_raw(tmp_path / "raw")
     edit(root / "data")

@@ -91,6 +91,118 @@ def test_restored_iterator_resumes_with_the_next_batch(small_synthetic):
             np.testing.assert_array_equal(got[key], want[key])
 
 
+def _assert_same_batches(got, want):
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys() == b.keys(), k
+        for key in b:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"batch {k} {key}")
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def test_workers_give_the_same_batches_and_portable_states(small_synthetic):
+    """Worker processes read the batches of in-process reading (7 batches cross an epoch);
+    a state saved with one worker count resumes with another, both ways."""
+    source = small_synthetic.split("train")
+    make = lambda workers: pipeline.train_loader(  # noqa: E731
+        source, global_batch_size=8, seed=5, read=pipeline.ReadAhead(workers=workers))
+    reference = _take(iter(make(0)), 10)
+    with_two = iter(make(2))
+    _assert_same_batches(_take(with_two, 7), reference[:7])
+    in_process = iter(make(0))
+    in_process.set_state(with_two.get_state())
+    with_two.close()
+    _assert_same_batches(_take(in_process, 2), reference[7:9])
+    with_one = iter(make(1))
+    with_one.set_state(in_process.get_state())
+    _assert_same_batches(_take(with_one, 1), reference[9:])
+    with_one.close()
+
+
+def _dataloader(source, seed):
+    """The loader this pipeline replaced: grain.DataLoader with the same sampler, no workers."""
+    import grain
+
+    sampler = grain.samplers.IndexSampler(
+        num_records=len(source), shuffle=True, num_epochs=None, seed=seed,
+        shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1,
+                                                  drop_remainder=True))
+    return grain.DataLoader(data_source=source, sampler=sampler, worker_count=0, operations=[
+        pipeline.TrainPairs(0.5), grain.transforms.Batch(8, drop_remainder=True)])
+
+
+def test_order_and_checkpoints_of_the_former_dataloader_carry_over(small_synthetic):
+    source = small_synthetic.split("train")
+    old = iter(_dataloader(source, seed=5))
+    expected = _take(old, 10)
+    _assert_same_batches(_take(iter(pipeline.train_loader(source, global_batch_size=8, seed=5)),
+                               10), expected)
+    old = iter(_dataloader(source, seed=5))
+    _take(old, 7)
+    resumed = iter(pipeline.train_loader(source, global_batch_size=8, seed=5))
+    resumed.set_state(old.get_state())
+    _assert_same_batches(_take(resumed, 3), expected[7:])
+    other_seed = iter(pipeline.train_loader(source, global_batch_size=8, seed=6))
+    with pytest.raises(ValueError, match="seed=5.*seed=6"):
+        other_seed.set_state(old.get_state())
+
+
+def test_state_of_another_data_order_is_refused(small_synthetic):
+    source = small_synthetic.split("train")
+    saved = iter(pipeline.train_loader(source, global_batch_size=8, seed=5))
+    next(saved)
+    for kwargs, message in [(dict(global_batch_size=8, seed=6), "seed was 5, is 6"),
+                            (dict(global_batch_size=4, seed=5), "local_batch was 8, is 4")]:
+        other = iter(pipeline.train_loader(source, **kwargs))
+        with pytest.raises(ValueError, match=message):
+            other.set_state(saved.get_state())
+
+
+def test_config_data_block_is_checked():
+    assert pipeline.read_ahead(None, training=True) == pipeline.ReadAhead()
+    data = {"workers": 3, "eval_workers": 1, "threads": 2, "prefetch": 4}
+    assert pipeline.read_ahead(data, training=True) == pipeline.ReadAhead(3, 2, 4)
+    assert pipeline.read_ahead(data, training=False) == pipeline.ReadAhead(1, 2, 4)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['worker'\]"):
+        pipeline.read_ahead({"worker": 2}, training=True)
+    with pytest.raises(ValueError, match="config.data.prefetch must be an integer >= 0, got -1"):
+        pipeline.read_ahead({"prefetch": -1}, training=True)
+
+
+def test_eval_with_workers_equals_in_process(small_synthetic):
+    source = small_synthetic.split("val")  # 12 examples: the last batch of 5 is padded
+    batches = {workers: list(pipeline.eval_batches(
+        source, global_batch_size=5, read=pipeline.ReadAhead(workers=workers)))
+        for workers in (0, 2)}
+    assert len(batches[0]) == 3 and batches[0][-1]["mask"].tolist() == [1, 1, 0, 0, 0]
+    for a, b in zip(batches[2], batches[0], strict=True):
+        assert a.keys() == b.keys()
+        for key in b:
+            if b[key].dtype == object:  # references: lists of byte strings per example
+                assert [list(x) for x in a[key]] == [list(x) for x in b[key]], key
+            else:
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_grids_reach_the_devices_unchanged(dtype):
+    import jax
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    kind = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    devices = np.array(jax.devices())
+    local = {"before": np.arange(len(devices) * 6, dtype=np.float32).reshape(-1, 2, 3)
+             .astype(kind) / 7}
+    arrays = pipeline.to_global(local, NamedSharding(Mesh(devices, ("data",)),
+                                                     PartitionSpec("data")))
+    assert arrays["before"].dtype == kind  # the cast to float32 happens in the model
+    np.testing.assert_array_equal(np.asarray(arrays["before"]), local["before"])
+
+
 @pytest.mark.parametrize("process_count,global_batch", [(1, 5), (1, 12), (2, 4), (2, 10)])
 def test_eval_visits_every_example_once(small_synthetic, process_count, global_batch):
     source = small_synthetic.split("val")  # 12 examples

@@ -192,7 +192,8 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
 def test_wrong_feature_shape_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(builder.SyntheticChange, "num_workers", 0)
     real = grid_features.extract
-    monkeypatch.setattr(grid_features, "extract", lambda im, shape: real(im, (4, 4, 8)))
+    monkeypatch.setattr(grid_features, "extract",
+                        lambda im, shape, *dtype: real(im, (4, 4, 8), *dtype))
     with pytest.raises(ValueError, match=r"feature 'before' has shape \(4, 4, 8\), expected "
                                          r"\(4, 4, 16\)"):
         datasets.prepare("synthetic", tmp_path, "moderate", dict(SMALL, num_train=8))
@@ -218,3 +219,42 @@ def test_record_check_names_caption_ids():
     record = {"change_caption_ids": np.zeros((0, 16), np.int32)}
     with pytest.raises(ValueError, match=r"'change_caption_ids' has shape \(0, 16\)"):
         schema.check_record(record, (4, 4, 16), 16, "here")
+
+
+def test_half_precision_builds_read_back_the_float32_features_in_half_the_bytes(tmp_path):
+    import ml_dtypes
+
+    # 8x8x64 grids: the features are most of a record, so the file sizes show their dtype.
+    options = dict(SMALL, num_train=6, num_val=2, num_test=2, feature_shape=(8, 8, 64))
+    built = {dtype: datasets.prepare("synthetic", tmp_path, "moderate",
+                                     dict(options, feature_dtype=dtype))
+             for dtype in ("float32", "float16", "bfloat16")}
+    assert len({d.directory for d in built.values()}) == 3  # one variant per dtype
+    # (dtype, relative precision of its 11- or 8-bit significand)
+    for name, (dtype, rtol) in {"float16": (np.float16, 2**-11),
+                                "bfloat16": (ml_dtypes.bfloat16, 2**-8)}.items():
+        half = built[name]
+        assert half.meta.feature_dtype == name
+        sizes = schema.split_bytes(half.directory, "train")
+        full_sizes = schema.split_bytes(built["float32"].directory, "train")
+        # The records a reader decodes halve (captions and ids are the rest); on disk
+        # array_record's compression shrinks both, the half build still to clearly less.
+        assert 0.45 < sizes["record_bytes"] / full_sizes["record_bytes"] < 0.55
+        assert sizes["file_bytes"] < 0.8 * full_sizes["file_bytes"]
+        full, low = built["float32"].split("train"), half.split("train")
+        for i in range(len(full)):
+            a, b = full[i], low[i]
+            assert b["before"].dtype == dtype and a["before"].dtype == np.float32
+            for key in ("before", "after_semantic", "after_distractor"):
+                np.testing.assert_allclose(b[key].astype(np.float32), a[key], rtol=rtol,
+                                           atol=1e-6, err_msg=key)
+            np.testing.assert_array_equal(a["change_caption_ids"], b["change_caption_ids"])
+    # The float32 build keeps precision the half ones cannot hold.
+    f32 = built["float32"].split("train")[0]["before"]
+    assert not np.array_equal(f32, f32.astype(np.float16).astype(np.float32))
+    assert built["float32"].meta.feature_dtype == "float32"
+
+
+def test_unknown_feature_dtype_is_named(tmp_path):
+    with pytest.raises(ValueError, match="feature_dtype must be one of .*'float16'.* got 'int8'"):
+        datasets.prepare("synthetic", tmp_path, "moderate", dict(SMALL, feature_dtype="int8"))

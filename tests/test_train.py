@@ -47,12 +47,21 @@ def test_update_changes_params_and_masks_padding_row(data_dir, tmp_path):
     assert int(state.step) == 1
 
 
+def _with_workers(config, workers):
+    config.data.workers = workers
+    return config
+
+
 def test_resume_continues_exactly(data_dir, tmp_path):
+    # The reading workers change neither the batches nor the checkpointed data position:
+    # 0 workers uninterrupted == 2 workers, interrupted, resumed with 1.
     full = train.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full")
     full.train()
-    first = train.Trainer(tiny_config(data_dir, num_train_steps=3), tmp_path / "resumed")
+    first = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=3), 2),
+                          tmp_path / "resumed")
     first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
-    second = train.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "resumed")
+    second = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
+                           tmp_path / "resumed")
     second.train()
     assert [s for s, _ in second.history] == [4, 5, 6]
     for (step, resumed), (_, uninterrupted) in zip(second.history, full.history[3:], strict=True):

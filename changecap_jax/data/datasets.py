@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from changecap_jax.data import entity_inputs, schema
@@ -108,6 +109,7 @@ def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any])
         num_val=int(options.get("num_val", 300)),
         num_test=int(options.get("num_test", 600)),
         feature_shape=tuple(options.get("feature_shape", (8, 8, 64))),
+        feature_dtype=str(options.get("feature_dtype", "float16")),
     )
     # TFDS wants the registered configs by name and custom ones as objects.
     named = config.name if config.name in SyntheticChange.builder_configs else config
@@ -223,6 +225,11 @@ def _read_prepared(name: str, builder: Any, directory: Path) -> PreparedDataset:
         vocab = Vocabulary.load(directory / schema.VOCAB_FILE, meta.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise DatasetError(f"dataset {name!r} in {directory} is incomplete or corrupt: {e}") from e
+    stored = np.dtype(builder.info.features["before"].np_dtype).name
+    if meta.feature_dtype and meta.feature_dtype != stored:
+        raise DatasetError(f"dataset {name!r} in {directory}: meta.json says feature_dtype "
+                           f"{meta.feature_dtype!r} but the records store {stored!r}")
+    meta.feature_dtype = stored  # datasets built before meta.json recorded it
     return PreparedDataset(name=name, builder=builder, directory=directory, meta=meta, vocab=vocab)
 
 

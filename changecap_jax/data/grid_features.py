@@ -61,11 +61,13 @@ def patch_statistics(image: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     return np.concatenate([sub - 0.5, 4.0 * std, mx - 0.5, 8.0 * grad], axis=-1)
 
 
-def extract(images: np.ndarray, feature_shape: tuple[int, int, int]) -> np.ndarray:
-    """Images (N, h, w, 3) uint8 -> grid features (N, H, W, C) float16."""
+def extract(images: np.ndarray, feature_shape: tuple[int, int, int],
+            dtype: type = np.float16) -> np.ndarray:
+    """Images (N, h, w, 3) uint8 -> grid features (N, H, W, C), rounded once to ``dtype``
+    (computed in float32)."""
     gh, gw, channels = feature_shape
     proj = _projection(channels)
     stats = np.stack([patch_statistics(im, (gh, gw)) for im in images])
     y = stats @ proj
     feats = GAIN * np.concatenate([np.maximum(y, 0.0), np.maximum(-y, 0.0)], axis=-1)
-    return feats.astype(np.float16)
+    return feats.astype(dtype)

@@ -9,9 +9,10 @@ key                        shape / dtype          meaning
 =========================  =====================  ==========================================
 id                         () int32               example number (file number in the raw data)
 image_id                   () string              evaluation id, e.g. "000123.png"
-before                     (H, W, C) float16/32   grid features of the before image
-after_semantic             (H, W, C) float16      after image with the semantic change
-after_distractor           (H, W, C) float16      after image with distractors only (optional)
+before                     (H, W, C) float*       grid features of the before image (the
+                                                  dataset's FEATURE_DTYPES entry)
+after_semantic             (H, W, C) float*       after image with the semantic change
+after_distractor           (H, W, C) float*       after image with distractors only (optional)
 change_captions            (N,) string            reference captions of the semantic pair
 change_caption_ids         (N, L) int32           training targets, tokenised, zero-padded
                                                   (the same captions, except where a
@@ -29,6 +30,12 @@ features of the original extraction by default and declare the caption length of
 ``*_caption_ids`` fields as variable (every record is still padded to
 ``DatasetMeta.max_caption_len``, which is computed from the data by the official rule).
 
+Feature grids are stored in one of :data:`FEATURE_DTYPES` (``DatasetMeta.feature_dtype``).
+Half precision (float16, bfloat16) is written as raw little-endian bytes, 2 per value: TFDS's
+default encoding would widen float16 to a 4-byte float list (as many bytes as float32) and
+cannot hold bfloat16 at all. Readers get the stored dtype; the models cast to float32 on the
+device (``models.layers.grid_input``), so the host pipeline moves half the bytes.
+
 Beside the records, each dataset directory holds ``vocab.json`` (official word -> id format),
 ``meta.json`` (:class:`DatasetMeta`) and ``files.json`` (size and sha256 of each record file,
 so a truncated or replaced file is caught when the dataset is opened).
@@ -42,6 +49,7 @@ import json
 import os
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -51,6 +59,15 @@ from changecap_jax.jsonio import read_json, write_json_atomic
 VOCAB_FILE = "vocab.json"
 META_FILE = "meta.json"
 FILES_FILE = "files.json"  # size and sha256 of every record file, written at build time
+# Stored feature dtypes, by name (builder options, meta.json) -> numpy type.
+FEATURE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def feature_dtype(name: str, where: str = "feature_dtype") -> type:
+    """The numpy type of a stored-feature dtype name; errors name the option and the choices."""
+    if name not in FEATURE_DTYPES:
+        raise ValueError(f"{where} must be one of {sorted(FEATURE_DTYPES)}, got {name!r}")
+    return FEATURE_DTYPES[name]
 
 
 def features(
@@ -59,7 +76,11 @@ def features(
     extra: dict[str, tfds.features.FeatureConnector] | None = None,
 ) -> tfds.features.FeaturesDict:
     """The TFDS features of the record schema above (``max_caption_len`` None: variable)."""
-    grid = lambda: tfds.features.Tensor(shape=tuple(feature_shape), dtype=feature_dtype)  # noqa: E731
+    # float32 keeps TFDS's float-list encoding, so datasets built before half precision was
+    # stored compactly keep their format; half precision goes as raw bytes (docstring above).
+    grid_encoding = "none" if np.dtype(feature_dtype) == np.float32 else "bytes"
+    grid = lambda: tfds.features.Tensor(  # noqa: E731
+        shape=tuple(feature_shape), dtype=feature_dtype, encoding=grid_encoding)
     ids_encoding = "none" if max_caption_len else "zlib"  # TFDS needs one for 2 unknown dims
     spec = {
         "id": tfds.features.Scalar(dtype=np.int32),
@@ -104,6 +125,9 @@ class DatasetMeta:
     protocol: str = ""
     # What the build left out, reason -> count (e.g. ids in no split, missing images).
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Stored dtype of the feature grids (a FEATURE_DTYPES name); "" in datasets built before
+    # it was recorded, where datasets.prepare fills it in from the record spec.
+    feature_dtype: str = ""
 
     def save(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, dataclasses.asdict(self), indent=1)
@@ -151,6 +175,28 @@ def check_record(
 
 def record_files(directory: str | os.PathLike) -> list[Path]:
     return sorted(Path(directory).glob("*.array_record-*"))
+
+
+def split_bytes(directory: str | os.PathLike, split: str) -> dict[str, int]:
+    """Sizes of one split's record files: ``records``, ``record_bytes`` (serialized records,
+    the bytes a reader decodes) and ``file_bytes`` (on disk; array_record compresses each
+    record, so this depends on how compressible the features are). Reads every record."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    files = sorted(Path(directory).glob(f"*-{split}.array_record-*"))
+    if not files:
+        raise FileNotFoundError(f"no record files of split {split!r} in {directory}")
+    out = {"records": 0, "record_bytes": 0, "file_bytes": 0}
+    for path in files:
+        reader = ArrayRecordReader(str(path))
+        try:
+            records = reader.read_all()
+        finally:
+            reader.close()
+        out["records"] += len(records)
+        out["record_bytes"] += sum(len(r) for r in records)
+        out["file_bytes"] += path.stat().st_size
+    return out
 
 
 def file_digest(path: Path) -> str:

@@ -15,8 +15,9 @@ default ResNet layer, evaluation protocol). :class:`PairDatasetBuilder` does the
    temporary directory, renamed into place only when everything succeeded.
 
 The variant (TFDS builder config) names the features: ``layer3`` (1024 x 14 x 14) or
-``layer4`` (2048 x 7 x 7), with ``_fp16`` when stored as float16, ``_stdfix`` when extracted
-with the corrected blue std and ``_len<N>`` when captions were capped at N tokens.
+``layer4`` (2048 x 7 x 7), with ``_fp16`` / ``_bf16`` when stored as float16 / bfloat16 (half
+the bytes of float32; ``schema.FEATURE_DTYPES``), ``_stdfix`` when extracted with the corrected
+blue std and ``_len<N>`` when captions were capped at N tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
 SPLITS = ("train", "val", "test")
 FEATURE_SHAPES = {3: (1024, 14, 14), 4: (2048, 7, 7)}  # (C, H, W), as the official .npy
 IMAGE_KEYS = ("before", "after_semantic", "after_distractor")
+DTYPE_SUFFIXES = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}  # variant name part
 
 
 class BuildError(ValueError):
@@ -96,11 +98,8 @@ def make_config(layer: int = 3, feature_dtype: str = "float32", std_fix: bool = 
                 max_caption_len: int = 0) -> PairsConfig:
     if layer not in FEATURE_SHAPES:
         raise ValueError(f"layer must be 3 or 4, got {layer}")
-    if feature_dtype not in ("float32", "float16"):
-        raise ValueError(f"feature_dtype must be float32 or float16, got {feature_dtype!r}")
-    name = f"layer{layer}"
-    if feature_dtype == "float16":
-        name += "_fp16"
+    schema.feature_dtype(feature_dtype)  # a known name, else the error lists them
+    name = f"layer{layer}" + DTYPE_SUFFIXES[feature_dtype]
     if std_fix:
         name += "_stdfix"
     if max_caption_len:
@@ -155,8 +154,12 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
       batch_size, device, resize_flavour: of the extraction (``data_prep.extract_features``).
     """
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "First release.",
+        "1.1.0": "Half-precision features stored as 2-byte values (1.0.0 widened float16 to "
+                 "4-byte floats); bfloat16; meta.json records feature_dtype.",
+    }
     BUILDER_CONFIGS = [make_config(3), make_config(4)]
     DEFAULT_CONFIG_NAME = "layer3"
 
@@ -224,7 +227,8 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             description=self.__doc__,
             features=schema.features(
                 self.feature_shape, None, with_distractor=self.HAS_DISTRACTOR,
-                feature_dtype=np.dtype(cfg.feature_dtype).type, extra=self.extra_features(),
+                feature_dtype=schema.feature_dtype(cfg.feature_dtype),
+                extra=self.extra_features(),
             ),
             disable_shuffling=True,  # records in annotation order, deterministic
         )
@@ -267,7 +271,7 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             extractor=f"resnet101_layer{cfg.layer}" + ("_stdfix" if cfg.std_fix else ""),
             split_sizes={k: len(v) for k, v in ann.splits.items()},
             tokenizer=self.TOKENIZER, main_metrics=list(self.MAIN_METRICS),
-            protocol=self.PROTOCOL, skipped=dict(ann.skipped),
+            protocol=self.PROTOCOL, skipped=dict(ann.skipped), feature_dtype=cfg.feature_dtype,
         ).save(data_dir / schema.META_FILE)
         for reason, n in sorted(ann.skipped.items()):
             logging.warning("%s: skipped %d: %s", self.name, n, reason)
@@ -325,7 +329,7 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
         self, specs: Sequence[PairSpec], split: str
     ) -> Iterator[tuple[int, dict[str, Any]]]:
         cfg: PairsConfig = self.builder_config
-        dtype = np.dtype(cfg.feature_dtype)
+        dtype = np.dtype(schema.feature_dtype(cfg.feature_dtype))
         # Unknown words: an error in the vocabulary's own splits when every word is kept
         # (official allow_unk=0); otherwise (other splits, or a count threshold that drops
         # rare words) they become <UNK> and are counted.

@@ -44,6 +44,9 @@ DEFAULT_SIZES = {"train": 3000, "val": 300, "test": 600}
 DEFAULT_FEATURE_SHAPE = (8, 8, 64)
 DEFAULT_IMAGE_SIZE = (128, 128)
 DEFAULT_MAX_CAPTION_LEN = 16
+DEFAULT_FEATURE_DTYPE = "float16"
+# Config name part of a non-default feature dtype.
+DTYPE_SUFFIXES = {"float32": "_fp32", "float16": "", "bfloat16": "_bf16"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,6 +60,7 @@ class SyntheticChangeConfig(tfds.core.BuilderConfig):
     num_test: int = DEFAULT_SIZES["test"]
     image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE
     feature_shape: tuple[int, int, int] = DEFAULT_FEATURE_SHAPE
+    feature_dtype: str = DEFAULT_FEATURE_DTYPE  # a schema.FEATURE_DTYPES name
     captions_per_pair: int = 6
     max_caption_len: int = DEFAULT_MAX_CAPTION_LEN
 
@@ -69,6 +73,7 @@ def make_config(
     num_test: int = DEFAULT_SIZES["test"],
     feature_shape: tuple[int, int, int] = DEFAULT_FEATURE_SHAPE,
     image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
+    feature_dtype: str = DEFAULT_FEATURE_DTYPE,
 ) -> SyntheticChangeConfig:
     """A config whose name spells out every non-default setting (one directory per variant)."""
     if distractors not in scenes.DISTRACTORS:
@@ -80,6 +85,7 @@ def make_config(
     image_size = tuple(int(v) for v in image_size)
     if len(feature_shape) != 3 or min(feature_shape) < 1:
         raise ValueError(f"feature_shape must be (H, W, C), positive sizes; got {feature_shape}")
+    schema.feature_dtype(feature_dtype, "synthetic dataset option feature_dtype")
     if min(num_train, num_val, num_test) < 1:
         raise ValueError("every split needs at least one example")
     name = distractors
@@ -92,10 +98,12 @@ def make_config(
         name += "_f{}x{}x{}".format(*feature_shape)
     if image_size != DEFAULT_IMAGE_SIZE:
         name += "_img{}x{}".format(*image_size)
+    name += DTYPE_SUFFIXES[feature_dtype]
     return SyntheticChangeConfig(
         name=name, description=f"synthetic change pairs, {distractors} distractors",
         distractors=distractors, seed=seed, num_train=num_train, num_val=num_val,
         num_test=num_test, feature_shape=feature_shape, image_size=image_size,
+        feature_dtype=feature_dtype,
     )
 
 
@@ -155,7 +163,8 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
         Image.fromarray(image).save(image_path(raw_dir, key, example_id), compress_level=6)
         images.append(image)
         boxes[key] = obj_boxes
-    feats = grid_features.extract(np.stack(images), config.feature_shape)
+    feats = grid_features.extract(np.stack(images), config.feature_shape,
+                                  schema.feature_dtype(config.feature_dtype))
     for key, f in zip(views, feats, strict=True):
         out[key] = f
     missing = np.full((4,), -1.0, np.float32)
@@ -169,10 +178,12 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
 class SyntheticChange(schema.RecordBuilder):
     """CLEVR-Change-like synthetic pairs: semantic changes among viewpoint/light distractors."""
 
-    VERSION = tfds.core.Version("1.1.0")
+    VERSION = tfds.core.Version("1.2.0")
     RELEASE_NOTES = {
         "1.0.0": "First release.",
         "1.1.0": "Grid features scaled to about unit RMS (grid_features.GAIN).",
+        "1.2.0": "feature_dtype option (float32 / float16 / bfloat16); half precision stored "
+                 "as 2-byte values (1.1.0 widened float16 to 4-byte floats).",
     }
     # Render processes; None: one per core (at most 8); 0: render in this process (debugging).
     num_workers: int | None = None
@@ -185,7 +196,8 @@ class SyntheticChange(schema.RecordBuilder):
             builder=self,
             description=__doc__,
             features=schema.features(
-                cfg.feature_shape, cfg.max_caption_len, with_distractor=True, with_boxes=True
+                cfg.feature_shape, cfg.max_caption_len, with_distractor=True, with_boxes=True,
+                feature_dtype=schema.feature_dtype(cfg.feature_dtype),
             ),
         )
 
@@ -218,6 +230,7 @@ class SyntheticChange(schema.RecordBuilder):
             change_types=list(scenes.CHANGE_TYPES), has_distractor=True,
             image_size=cfg.image_size, raw_dir="raw", extractor="synthetic_grid",
             seed=cfg.seed, split_sizes={k: len(v) for k, v in splits.items()},
+            feature_dtype=cfg.feature_dtype,
         ).save(data_dir / schema.META_FILE)
         self._examples, self._vocab, self._raw_dir = examples, vocab, raw_dir
         return {name: self._generate_examples(ids, name) for name, ids in splits.items()}
