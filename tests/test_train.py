@@ -52,6 +52,11 @@ def _with_workers(config, workers):
     return config
 
 
+def _logged_steps(workdir: Path) -> list[int]:
+    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
 def test_resume_continues_exactly(data_dir, tmp_path):
     # The reading workers change neither the batches nor the checkpointed data position:
     # 0 workers uninterrupted == 2 workers, interrupted, resumed with 1.
@@ -60,6 +65,10 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     first = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=3), 2),
                           tmp_path / "resumed")
     first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
+    # A crash after logging steps the checkpoint does not hold (and mid-line): the resume
+    # replays them, and scalars.jsonl keeps one line per step.
+    with (tmp_path / "resumed" / train.SCALARS_FILE).open("a") as fh:
+        fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
     second = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
                            tmp_path / "resumed")
     second.train()
@@ -67,23 +76,9 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     for (step, resumed), (_, uninterrupted) in zip(second.history, full.history[3:], strict=True):
         assert resumed["loss"] == uninterrupted["loss"], step
         assert resumed["loss/dirl"] == uninterrupted["loss/dirl"], step
-
-
-def _logged_steps(workdir: Path) -> list[int]:
-    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines]
-
-
-def test_resume_drops_the_scalars_of_replayed_steps(data_dir, tmp_path):
-    """A crash after logging steps the last checkpoint does not hold: the resume replays them
-    and scalars.jsonl keeps one line per step (a half-written last line is dropped too)."""
-    train.Trainer(tiny_config(data_dir, num_train_steps=3), tmp_path).train()
-    with (tmp_path / train.SCALARS_FILE).open("a") as fh:
-        fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
-    train.Trainer(tiny_config(data_dir, num_train_steps=5), tmp_path).train()
-    assert _logged_steps(tmp_path) == [1, 2, 3, 4, 5]
-    assert 9.0 not in [json.loads(x)["loss"]
-                       for x in (tmp_path / train.SCALARS_FILE).read_text().splitlines()]
+    assert _logged_steps(tmp_path / "resumed") == [1, 2, 3, 4, 5, 6]
+    logged = (tmp_path / "resumed" / train.SCALARS_FILE).read_text().splitlines()
+    assert 9.0 not in [json.loads(line)["loss"] for line in logged]
 
 
 def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp_path):
