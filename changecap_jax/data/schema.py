@@ -33,8 +33,9 @@ features of the original extraction by default and declare the caption length of
 Feature grids are stored in one of :data:`FEATURE_DTYPES` (``DatasetMeta.feature_dtype``).
 Half precision (float16, bfloat16) is written as raw little-endian bytes, 2 per value: TFDS's
 default encoding would widen float16 to a 4-byte float list (as many bytes as float32) and
-cannot hold bfloat16 at all. Readers get the stored dtype; the models cast to float32 on the
-device (``models.layers.grid_input``), so the host pipeline moves half the bytes.
+cannot hold bfloat16 at all. Readers get the stored dtype; the train step and the decoding
+cast to ``config.compute_dtype`` on the device (``changecap_jax/precision.py``), so the host
+pipeline moves half the bytes.
 
 Beside the records, each dataset directory holds ``vocab.json`` (official word -> id format),
 ``meta.json`` (:class:`DatasetMeta`) and ``files.json`` (size and sha256 of each record file,
