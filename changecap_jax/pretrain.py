@@ -109,7 +109,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import export, parallel, train
+from changecap_jax import export, parallel, precision, train
 from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.metric_writer import MetricWriter
@@ -345,6 +345,8 @@ def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: b
     axis = parallel.DATA_AXIS
 
     def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
+        # Pretraining computes in float32: half-precision stored grids are upcast here.
+        batch = precision.cast_floating(batch, jnp.float32)
         local = batch["ids"].shape[0]
         device = jax.lax.axis_index(axis)
         keys = sample_keys(jax.random.fold_in(rng, train.INPUTS_FOLD),
