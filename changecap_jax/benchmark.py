@@ -35,7 +35,6 @@ Prints, in this order (the first six lines as before):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import resource
 import statistics
@@ -50,7 +49,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import decoding, models, parallel, train
+from changecap_jax import decoding, models, parallel, precision, train
 from changecap_jax import synthetic_inputs as si
 from changecap_jax.data import pipeline
 from changecap_jax.jsonio import write_json_atomic
@@ -111,23 +110,6 @@ def trainer_setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
                  trainer.max_len, trainer)
 
 
-def _init_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: Any,
-                seed: int) -> Any:
-    """Fresh replicated state, as ``train.Trainer.init_state`` (only the shapes matter)."""
-    rng = jax.random.PRNGKey(seed)
-    init_rng = jax.random.fold_in(rng, train.INIT_FOLD)
-    shapes = {k: ((1, *v.shape[1:]), v.dtype) for k, v in example.items()}
-
-    @functools.partial(jax.jit, out_shardings=parallel.replicated(mesh))
-    def init() -> Any:
-        batch = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
-        params = model.init({"params": init_rng}, batch, train=False)["params"]
-        return train.TrainState(step=jnp.int32(0), params=params,
-                                opt_state=optimizer.init(params), rng=rng)
-
-    return init()
-
-
 def synthetic_setup(config: ml_collections.ConfigDict, shapes: Any) -> Setup:
     mesh = parallel.make_mesh()
     parallel.check_global_batch(config.batch_size, mesh)
@@ -139,10 +121,12 @@ def synthetic_setup(config: ml_collections.ConfigDict, shapes: Any) -> Setup:
     si.check_model_reads(model, host[0])
     optimizer, schedule = train.make_optimizer(config.optim, SYNTHETIC_STEPS_PER_EPOCH)
     step = train.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
-                                 dict(config.optim.zero_grad_rows), schedule)
+                                 dict(config.optim.zero_grad_rows), schedule,
+                                 compute_dtype=_compute_dtype(config))
     sharding = parallel.batch_sharding(mesh)
     batches = [jax.device_put(b, sharding) for b in host]
-    state = _init_state(model, optimizer, host[0], mesh, config.seed)
+    state = train.init_train_state(model, optimizer, host[0], mesh,
+                                   jax.random.PRNGKey(config.seed))
     ev = jax.device_put(si.make_batch(model, config.eval_batch_size, shapes.feature_shape,
                                       shapes.caption_len, shapes.vocab_size, seed=99), sharding)
     decode_inputs = {"before": ev["before"], "after": ev["after_semantic"],
@@ -217,16 +201,22 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     return out
 
 
-def time_decode(setup: Setup, batches: int) -> dict[str, Any]:
-    """Greedy decoding of one eval batch: compile (first call) and the median of ``batches``."""
+def _compute_dtype(config: ml_collections.ConfigDict) -> Any:
+    return precision.compute_dtype(config.get("compute_dtype", "float32"))
+
+
+def time_decode(setup: Setup, batches: int, compute_dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Greedy decoding of one eval batch in ``compute_dtype`` (as evaluation decodes): compile
+    (first call) and the median of ``batches``."""
     if batches <= 0:
         return {"decode_compile_s": None, "decode_s_per_batch": None}
-    inputs = setup.decode_inputs
+    params, inputs = precision.cast_floating((setup.state.params, setup.decode_inputs),
+                                             compute_dtype)
 
     def once() -> float:
         t = time.perf_counter()
         jax.block_until_ready(decoding.greedy_decode(
-            setup.model, {"params": setup.state.params}, inputs["before"], inputs["after"],
+            setup.model, {"params": params}, inputs["before"], inputs["after"],
             max_len=setup.max_len, conditioning=inputs["conditioning"]).ids)
         return time.perf_counter() - t
 
@@ -289,7 +279,7 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
             setup = trainer_setup(config, workdir)
         results = time_train_step(setup, steps, matmul_size)
         results["examples_per_s"] = config.batch_size / results["step_s"]
-        results.update(time_decode(setup, decode_batches))
+        results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
         results.update(time_input(setup.trainer, input_batches))
     results["bottleneck"] = bottleneck(results["examples_per_s"],
                                        results["input_examples_per_s"])

@@ -244,6 +244,24 @@ def make_train_step(
                    out_shardings=(repl,) * (3 if with_grads else 2))
 
 
+def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: Any,
+                     rng: jax.Array) -> TrainState:
+    """Fresh parameters and optimiser state, replicated over ``mesh``. Only the shapes and
+    dtypes of ``example`` (one example's fields) matter: the batch is made of zeros inside the
+    jitted function, which also works when the mesh spans several processes."""
+    shapes = {k: ((1, *np.shape(v)[1:]), v.dtype) for k, v in example.items()}
+    init_rng = jax.random.fold_in(rng, INIT_FOLD)
+
+    @functools.partial(jax.jit, out_shardings=parallel.replicated(mesh))
+    def init() -> TrainState:
+        batch = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
+        params = model.init({"params": init_rng}, batch, train=False)["params"]
+        return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                          rng=rng)
+
+    return init()
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
@@ -343,17 +361,8 @@ class Trainer:
         source = self.dataset.split("train")
         example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0,
                                                   pair_fields=self.dataset.pair_fields)))
-        shapes = {k: (v.shape, v.dtype) for k, v in pipeline.device_fields(example).items()}
-        init_rng = jax.random.fold_in(self.rng, INIT_FOLD)
-
-        @functools.partial(jax.jit, out_shardings=parallel.replicated(self.mesh))
-        def init() -> TrainState:
-            batch = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
-            params = self.model.init({"params": init_rng}, batch, train=False)["params"]
-            return TrainState(step=jnp.int32(0), params=params,
-                              opt_state=self.optimizer.init(params), rng=self.rng)
-
-        return init()
+        return init_train_state(self.model, self.optimizer, pipeline.device_fields(example),
+                                self.mesh, self.rng)
 
     def train_loader(self) -> pipeline.TrainLoader:
         """This process's training batches, read as ``config.data`` says (workers, threads,

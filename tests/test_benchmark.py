@@ -41,6 +41,18 @@ def test_synthetic_run_flops_match_a_direct_cost_analysis():
     assert results["flops"] == pytest.approx(float(cost["flops"]))
 
 
+def test_synthetic_step_computes_in_the_configs_compute_dtype():
+    """--config.compute_dtype reaches the timed step (the trainer's own cast)."""
+    texts = {}
+    for dtype in ("float32", "bfloat16"):
+        config = subtraction.get_config()
+        config.batch_size = config.eval_batch_size = BATCH
+        config.compute_dtype = dtype
+        setup = benchmark.synthetic_setup(config, si.input_shapes(config))
+        texts[dtype] = setup.train_step.lower(setup.state, setup.batches[0]).as_text()
+    assert "bf16" in texts["bfloat16"] and "bf16" not in texts["float32"]
+
+
 def test_command_writes_every_result_to_json(tmp_path):
     out = tmp_path / "sub" / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHANGECAP_COMPILATION_CACHE": "0"}

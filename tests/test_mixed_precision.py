@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import models, parallel, precision, train
+from changecap_jax import models, parallel, precision, synthetic_inputs, train
 from changecap_jax.data import pipeline
-from changecap_jax.models.base import conditioning_shapes
 from tests.train_helpers import SMALL
 
 # Relative distance of bfloat16 from float32 allowed for each loss of a freshly initialised
@@ -29,18 +28,8 @@ def _small_model(name: str, preset: str):
     return config, model
 
 
-def _batch(model, feature_shape, batch_size=8, seed=0):
-    r = np.random.RandomState(seed)
-    h, w, c = feature_shape
-    ids = r.randint(4, 30, size=(batch_size, 12)).astype(np.int32)
-    ids[:, 0], ids[:, 9], ids[:, 10:] = 2, 3, 0
-    batch = {k: r.rand(batch_size, h, w, c).astype(np.float32)
-             for k in ("before", "after_semantic", "after_distractor")}
-    batch.update(change_caption=ids, no_change_caption=np.roll(ids, 1, axis=0))
-    for field, shape in conditioning_shapes(model).items():
-        for stream in ("semantic", "distractor"):
-            batch[f"{field}_{stream}"] = r.rand(batch_size, *shape).astype(np.float32)
-    return batch
+def _batch(model, feature_shape):
+    return synthetic_inputs.make_batch(model, 8, feature_shape, caption_len=12, vocab_size=30)
 
 
 @pytest.mark.parametrize("name, preset", MODELS)
