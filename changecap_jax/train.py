@@ -505,6 +505,8 @@ class Trainer:
         config = self.config
         source = self.dataset.split(split)
         meta = self.dataset.meta
+        # Cast once for the whole split; decode_fn's own cast is then a no-op per batch.
+        params = precision.cast_floating(state.params, self.compute_dtype)
         process_count, process_index = jax.process_count(), jax.process_index()
         G = config.eval_batch_size
         local = G // process_count
@@ -526,7 +528,7 @@ class Trainer:
             decoded = {}
             for s in streams:
                 after_key = STREAM_INPUTS[s][0]
-                ids = self.decode_fn(state.params, arrays["before"], arrays[after_key],
+                ids = self.decode_fn(params, arrays["before"], arrays[after_key],
                                      jax.random.fold_in(key, k),
                                      {c: arrays[f"{c}_{s}"] for c in self.conditioning})
                 decoded[s] = _to_host(ids)
