@@ -17,7 +17,7 @@ and is selected with ``--config.dataset.name=DATASET --config.dataset.data_dir=D
 ``--feature_dtype`` (default: float32 for the real datasets, float16 for the synthetic one)
 is the stored dtype of the feature grids, recorded in ``meta.json``: float16 or bfloat16 halve
 the bytes every training step reads (1.2 MB instead of 2.4 MB per CLEVR-Change example at
-14x14x1024); the models upcast to float32 on the device.
+14x14x1024); the train step casts them to ``config.compute_dtype`` on the device.
 """
 
 from __future__ import annotations
