@@ -1,7 +1,7 @@
 """Model-agnostic caption decoding: greedy, multinomial sampling and beam search with a
 key/value cache.
 
-Semantics follow the official ``sample()`` of SCORER / DIRL (``reference/official_pytorch.md``
+Semantics follow the official ``sample()`` of SCORER / DIRL (``docs/official/``
 §3.7, §4.6): every row starts with START (2); at each step the next-token distribution is the
 log-softmax of the logits with the UNK (1) column then set to -1e10 (not renormalised); the next
 token is the argmax (greedy, as at test time) or a draw from that distribution (sampling, as in

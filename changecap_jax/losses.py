@@ -6,7 +6,7 @@ name with the batch split over its devices; cross-device statistics then go thro
 ``all_gather`` so that one device and N devices give the same value and the same gradients (up to
 float rounding), and the result is identical on every device.
 
-Reference: ``reference/official_pytorch.md`` §4.1 step 2 (Barlow-style DIRL loss), §4.2 step 3
+Reference: ``docs/official/`` §4.1 step 2 (Barlow-style DIRL loss), §4.2 step 3
 (CCR InfoNCE), §3.2 / §4.2 step 4 (caption cross-entropy).
 """
 

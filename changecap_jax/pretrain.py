@@ -86,6 +86,8 @@ each process reading its shard and the stream checkpointed as ``data_extra`` (ex
 Not as the official code: steps stop at ``num_train_steps`` (the official loop runs one more,
 global_step 0..250000), and each visit of a pair draws one of its captions (the official files
 hold one sample per sentence).
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

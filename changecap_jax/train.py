@@ -3,6 +3,8 @@
 A model is a Flax module (``models.build``) returning a :class:`~models.base.ModelOutput`;
 the loss is the mean of its caption streams' cross-entropies plus each auxiliary loss times
 ``config.loss_weights[name]``. Nothing here depends on which model it is.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: in
 
     * "step_lr" (default): StepLR stepped once per epoch, lr * factor ** floor(epoch /
       decay_every_epochs); update t+1 (1-based) is in epoch floor(t / steps_per_epoch), as the
-      official loop (reference §7.8). ``decay_every_epochs = 0`` keeps lr constant.
+      official loop (reference §7 item 8). ``decay_every_epochs = 0`` keeps lr constant.
     * "piecewise": lr * factor ** (number of ``optim.boundaries`` <= count), e.g. IDC-PCL's
       fine-tuning 3e-5 / 1.5e-5 / 7.5e-6 at 10k / 20k steps (§5.6).
     * "noam": lr * min(t / warmup, sqrt(warmup / t)) with t = count, and 1e-8 at t = 0, as

@@ -67,7 +67,7 @@ def _paper_model(pairs: str) -> ml_collections.ConfigDict:
         "word_dim": 300,
         "ffn_dim": 2048,
         "dropout_rate": 0.1,
-        "num_entities": 3,  # §4.5: 3 entities is the best count
+        "num_entities": 3,  # paper §4.5: 3 entities is the best count
         "entity_dim": 768,  # CLIP ViT-L/14 text embeddings
         **ABLATIONS["full"],
         "gate_activation": "sigmoid",

@@ -1,4 +1,4 @@
-"""DIRL + CCR (Tu et al., ECCV 2024); reference/official_pytorch.md §4.
+"""DIRL + CCR (Tu et al., ECCV 2024); docs/official/dirl.md §4.
 
     python -m changecap_jax.main --config=configs/dirl.py[:PRESET]
 
@@ -11,7 +11,7 @@ Presets:
                          weights 0.5 / 0.3, batch 128, lr 2e-4, 15k iterations.
   clevr_dc               paper, official code: CCR decoder (LNs, xavier), no coordinates,
                          semantic pair only, weights 0.03 / 0.05, captions up to 40, 13k.
-  spot_the_diff          paper text: weights 0.5 / 0.004 (DIRL §4.6 / supplement); batch 32
+  spot_the_diff          paper text: weights 0.5 / 0.004 (DIRL paper §4.6 / supplement); batch 32
                          and lr 2e-4 from SCORER's Table 8 (same authors, same trunk).
   image_editing_request  paper text: weights 0.001 / 0.05; batch 16, lr 1e-4 (SCORER Table 8).
   birds_to_words         not in the paper (DIRL was not evaluated on Birds-to-Words): the

@@ -1,4 +1,4 @@
-"""IDC-PCL (Yao et al., AAAI 2022): pretraining and fine-tuning; reference/official_pytorch.md §5.
+"""IDC-PCL (Yao et al., AAAI 2022): pretraining and fine-tuning; docs/official/idc_pcl.md §5.
 
     python -m changecap_jax.main --config=configs/idc_pcl.py:pretrain[/DATASET] --workdir=P
     python -m changecap_jax.main --config=configs/idc_pcl.py[:finetune[/DATASET]] \

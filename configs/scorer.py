@@ -1,4 +1,4 @@
-"""SCORER + CBR (Tu et al., ICCV 2023); reference/official_pytorch.md §3.
+"""SCORER + CBR (Tu et al., ICCV 2023); docs/official/scorer.md §3.
 
     python -m changecap_jax.main --config=configs/scorer.py[:PRESET]
 

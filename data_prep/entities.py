@@ -3,7 +3,7 @@
 CHEERS takes "the change entity" of a caption to be the subject of the sentence ("the small
 red metal cube changed to blue" -> "small red metal cube"). It extracts the subjects of the
 TRAINING captions of a dataset once; every image pair later retrieves its top-k entities from
-that fixed list by CLIP similarity (§3.1.2). This module builds the list; retrieval is done
+that fixed list by CLIP similarity (paper §3.1.2). This module builds the list; retrieval is done
 elsewhere.
 
     python -m data_prep.entities --data_dir=DIR --dataset=NAME [--variant=V] \\
@@ -11,7 +11,7 @@ elsewhere.
 
 reads the train split of a built dataset (``data_prep.build``), extracts entities from its
 change captions and writes ``<dataset directory>/entities.json`` (atomically). Only the
-change captions are used: §3.1.1 defines an entity as what a caption says has changed, and a
+change captions are used: paper §3.1.1 defines an entity as what a caption says has changed, and a
 no-change caption ("the two scenes seem identical") names none; its grammatical subject
 ("scenes", "nothing") would only add noise to the retrieval list. Captions that still state
 "no change" (Spot-the-Diff's "there are no differences") are counted apart, not as failures.

@@ -1,7 +1,7 @@
 """Official DIRL+CCR snapshot -> orbax checkpoint (changecap_jax/convert), checked tensor by tensor
 against the independent torch reference (tests/torch_reference/dirl.py), both decoder variants.
 
-Reference: shared/reference/official_pytorch.md §1.1 (conversion rules), §1.2 (Adam, padding
+Reference: docs/official/ §1.1 (conversion rules), §1.2 (Adam, padding
 row), §4 (DIRL+CCR), §4.5 / Appendix B (keys), §7 (parity checklist). Random seeded weights at
 small sizes (hidden 64, 4 heads, 2 + 2 layers, 7x7 grid, vocabulary 30, captions of 12), float32
 on CPU, eval mode: encoder outputs, memory, logits, CCR vectors, caption CE and every auxiliary

@@ -1,7 +1,7 @@
 """Official SCORER+CBR snapshot (+ the CBR state_dict) -> orbax checkpoint (changecap_jax/convert),
 checked against the independent torch reference (tests/torch_reference/scorer.py).
 
-Reference: shared/reference/official_pytorch.md §1.1 (conversion rules), §3 (SCORER+CBR), §3.6
+Reference: docs/official/ §1.1 (conversion rules), §3 (SCORER+CBR), §3.6
 (snapshot), §7 (parity checklist), Appendix A (keys). Random seeded weights at small sizes
 (hidden 64, 4 heads, 2 + 2 layers, 5x5 grid, vocabulary 30, captions of 12), float32 on CPU,
 eval mode: memory, the last layer's S1 / S2, decoder logits, caption CE, L_sim and L_cbr per

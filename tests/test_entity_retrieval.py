@@ -25,7 +25,7 @@ from data_prep import retrieval
 
 
 def eq1_reference(s_bef, s_aft, k, absolute):
-    """Per pair, float64, written from §3.1.2: an entity is a candidate when its similarity to
+    """Per pair, float64, written from paper §3.1.2: an entity is a candidate when its similarity to
     either image is above that image's average similarity over the entities; repeatedly take
     the argmax of S_bef - S_aft (|.| when absolute) among the candidates left, the lower id on
     ties; when the candidates run out, the other entities the same way (our fill rule)."""

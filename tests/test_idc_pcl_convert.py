@@ -1,7 +1,7 @@
 """Official IDC-PCL checkpoints -> orbax checkpoints (``python -m changecap_jax.convert``),
 checked against the independent torch reference (tests/torch_reference/idc_pcl.py).
 
-Reference: shared/reference/official_pytorch.md §5 (model, losses, decoding), §5.1 (dict.json:
+Reference: docs/official/ §5 (model, losses, decoding), §5.1 (dict.json:
 BOS = 1, MASK = 5), §5.4 (the fine-tuning restore skips the pooler), §6 / Appendix C (keys).
 Random torch weights at small sizes (hidden 32, 4 heads, 2 cross-modal blocks, FFN 64) on the
 tiny synthetic dataset's 4x4x16 grids; the authors' token order is a dict.json written by the

@@ -4,7 +4,10 @@ loss against its definition in float64 NumPy, CUB pseudo pairs (a zero second im
 masked by MVCL), the batch ratio, 8 devices = 1 for a step with a NABirds-layout source,
 exact resume with an extra source, stage 1 -> stage 2 -> fine-tuning parameter transfer and
 clear errors. Tiny sources come from test_cross_task_sources' official-layout fixtures with
-seeded random grids (no ResNet)."""
+seeded random grids (no ResNet).
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

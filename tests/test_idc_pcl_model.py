@@ -1,5 +1,5 @@
 """IDC-PCL Flax port (changecap_jax/models/idc_pcl.py) against the independent torch reference
-(tests/torch_reference/idc_pcl.py), both written from shared/reference/official_pytorch.md §5.
+(tests/torch_reference/idc_pcl.py), both written from the notes of docs/official/idc_pcl.md §5.
 
 Checked: the reference's state_dict keys, order and shapes equal Appendix C at the default sizes
 (V = 100, parsed from the markdown; meta tensors, no memory); the Flax param tree maps 1:1 onto
@@ -32,7 +32,7 @@ from changecap_jax.models.base import ATTENTION  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-REFERENCE_MD = Path("/work/shared/reference/official_pytorch.md")
+REFERENCE_MD = Path(__file__).resolve().parents[1] / "docs" / "official" / "idc_pcl.md"
 D, HEADS, FF, C, GRID, V, L, LAYERS, CLS_ID = 64, 4, 128, 32, 3, 30, 12, 2, 6
 N = GRID * GRID
 TOL, GRAD_TOL = 1e-5, 1e-4
@@ -114,8 +114,6 @@ def flat(tree: dict) -> dict[tuple[str, ...], np.ndarray]:
 
 
 def appendix_c() -> tuple[list[tuple[str, tuple[int, ...]]], int, int]:
-    if not REFERENCE_MD.exists():
-        pytest.skip(f"{REFERENCE_MD} is absent")
     text = REFERENCE_MD.read_text().split("## Appendix C", 1)[1]
     body = text.split("[IDC pretrain (V=100)]", 1)[1]
     rows = re.findall(r"^\s+([\w.]+)\s+\(([\d, ]*)\)\s*$", body.split("(unique params")[0], re.M)

@@ -3,7 +3,10 @@ step loss equals the single-device loss functions of models/idc_pcl.py (checked 
 in test_idc_pcl_model.py) on the same masked inputs, 8 devices equal 1 for an MVCL step, the
 seeded task draw, exact resume of every task's stream, the FDA batch layout, the presets,
 clear errors and the entry point. One 1-device trainer (module fixture) compiles each task's
-step once for the whole file."""
+step once for the whole file.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 summed losses and the mean switch, 8 devices = 1 (masks included), a run with evaluation
 (held-out distractor accuracy included), early stopping on the best state and initialisation
 from another run except the pooler, the caption-free distractor classifier, and the decoding
-rules (no UNK ban, all steps, appended [MASK] named in captions)."""
+rules (no UNK ban, all steps, appended [MASK] named in captions).
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Losses against float64 NumPy re-implementations of reference §4.1 / §4.2 / §3.2, and the
-1-device == 8-device (shard_map) equality of each loss and its gradient."""
+1-device == 8-device (shard_map) equality of each loss and its gradient.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """SCORER's token-wise matching (changecap_jax/losses.py): the chunked form equals the naive one
 (values and gradients), both equal a float64 NumPy reading of reference §3.1 step 4 / §3.4, and
-8 simulated devices equal one."""
+8 simulated devices equal one.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ preset, trained with the switch).
 
 Tiny sizes (hidden 32, 4 heads, 4x4 grid, vocab 12, L 8) keep every compile short; each jitted
 function is built once per module and shared by the tests.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The Subtraction baseline (changecap_jax/models/subtraction.py): outputs, parameter tree,
 the memory is a function of the difference (plus the position embedding), cached decoding, and a
-few trainer steps on the tiny synthetic dataset."""
+few trainer steps on the tiny synthetic dataset.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Self-checks of the test-only PyTorch reference models (tests/torch_reference) that later
 parity tests compare the Flax ports against: state_dict keys/shapes vs Appendices A and B of
-``shared/reference/official_pytorch.md``, losses that train, greedy decoding == a teacher-forced
+docs/official/ (scorer.md, dirl.md), losses that train, greedy decoding == a teacher-forced
 argmax, and the official snapshot format."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 from torch_reference import dirl, scorer, snapshot  # noqa: E402
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference/official_pytorch.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "official"
+APPENDIX_PAGE = {"A": "scorer.md", "B": "dirl.md"}
 
 B = 4
 GRID = 4
@@ -107,9 +108,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def _appendix(letter: str) -> str:
-    if not REFERENCE.exists():
-        pytest.skip(f"reference {REFERENCE} is absent (expected ../shared beside the checkout)")
-    text = REFERENCE.read_text(encoding="utf-8")
+    text = (REFERENCE / APPENDIX_PAGE[letter]).read_text(encoding="utf-8")
     start = text.index(f"## Appendix {letter}")
     end = text.find("\n## ", start + 1)
     return text[start : end if end >= 0 else len(text)]

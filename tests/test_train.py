@@ -1,4 +1,7 @@
-"""Trainer: N devices equal one, multi-host equals single-host, exact resume, schedule."""
+"""Trainer: N devices equal one, multi-host equals single-host, exact resume, schedule.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 import json
 import os

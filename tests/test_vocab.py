@@ -1,4 +1,7 @@
-"""Caption tokenisation and vocabulary by the official rules (reference §2.4)."""
+"""Caption tokenisation and vocabulary by the official rules (reference §2.4).
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
+"""
 
 import json
 

@@ -7,7 +7,7 @@ orbax checkpoints.
         --torch_checkpoint=PATH.pt --dict_json=dict.json --workdir=DIR
 
 writes ``DIR/checkpoints/<step>`` that ``python -m changecap_jax.main --config=... --workdir=DIR
---mode=eval`` restores. Modules (``shared/reference/official_pytorch.md`` §1.1, §3.6, §4.5, §6, §7):
+--mode=eval`` restores. Modules (notes in ``docs/official/``: §1.1, §3.6, §4.5, §6, §7):
 
 * :mod:`.torch_checkpoint` — reading snapshots / state_dicts with torch (optional dependency);
 * :mod:`.mapping` — per-model key tables (torch key -> Flax path + transform), checks;

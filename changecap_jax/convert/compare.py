@@ -35,7 +35,7 @@ last-layer output -> ``decoder/{stream}/logits`` / ``sentence``; ``CBR.hallucina
 / ``total`` -> ``caption_ce/semantic`` / ``aux/sim/semantic`` / ``aux/cbr/distractor`` /
 ``aux/sim`` / ``loss``. Features
 are channels-last (B, H, W, C) here and channels-first in torch; coordinates are added by the
-model (§2.3). Reference: ``shared/reference/official_pytorch.md`` §7 item 7.
+model (§2.3). Reference: ``docs/official/parity_checklist.md`` §7 item 7.
 """
 
 from __future__ import annotations

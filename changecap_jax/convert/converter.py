@@ -28,6 +28,8 @@
 
 ``step`` is the snapshot's iteration when it says (a key of the dict such as IDC-PCL's
 ``global_step``, else the official file name ``<exp>_checkpoint_<t>.pt``), else 0, unless given.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A table is a list of :class:`Entry`, built from the model config and the data-dependent
 :class:`Sizes` (vocabulary, feature channels, grid, caption length), so every entry knows the
 torch shape it expects and what decides each axis (used in error messages). The transforms are
-the conversion rules of ``shared/reference/official_pytorch.md`` §1.1:
+the conversion rules of ``docs/official/common.md`` §1.1 (other § and Appendices: same folder):
 
 * ``nn.Linear`` weight (out, in) -> Dense ``kernel`` (in, out) = transpose; bias unchanged;
 * 1x1 ``nn.Conv2d`` weight (out, in, 1, 1) -> Dense ``kernel`` = W[:, :, 0, 0].T (our models

@@ -5,6 +5,8 @@ A file is ``<dataset dir>/<split>_neg_tfidf6.json`` (the official name, ``neg_na
 "neg_tfidf6"``): JSON lines ``{"img1", "img2", "sentences", "neg_samples": [6 captions]}``,
 ours with ``image_id`` and ``neg_kinds`` added. A pair is keyed by (image_id, semantic), the
 image id from ``image_id`` or img2's "<prefix>_<semantic|nonsemantic>_<id>" name.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

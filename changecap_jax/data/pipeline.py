@@ -23,6 +23,8 @@ its per-record seeds), so its checkpoints resume exactly too.
 the mesh's data axis (``jax.make_array_from_process_local_data``). Feature grids keep their
 stored dtype (float16 / bfloat16 datasets move half the bytes); the train step and the
 decoding cast them to ``config.compute_dtype`` on the device (changecap_jax/precision.py).
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

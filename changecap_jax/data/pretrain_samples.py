@@ -13,6 +13,8 @@ captions, drawn anew at each visit as the fine-tuning pipeline does; the officia
 sample per sentence) and, for FDA, ``negatives`` (K, L): the pair's hard negatives of
 ``<split>_neg_tfidf6.json`` encoded like its captions (unknown words -> <UNK>, cut to L). The
 negatives are joined by (image_id, semantic), the key :func:`negatives.negatives_by_pair` gives.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ the words. By default (SCORER / DIRL) every token of the TRAIN captions, in Pyth
 (code-point) order; IER orders words by descending frequency and keeps those seen at least 3
 times (:meth:`Vocabulary.build`). It is saved as the official ``word -> id`` JSON dict; the
 tokeniser's name is kept in the dataset's ``meta.json``.
+
+Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CHEERS (2025): change entity-guided heterogeneous representation disentangling.
 
-Written from the paper alone (``shared/papers/cheers_2025.txt`` §3); no code was released.
+Written from the paper alone (Li et al., 2025, method in paper §3); no code was released.
 Equation numbers (Eq. n) are the paper's. Where the paper is silent we chose, say so here, and
 expose the choice as a field.
 
@@ -8,11 +8,11 @@ Method
 ------
 0. Inputs. Each image's grid (B, H, W, C) goes through a 1x1 projection to ``hidden_dim`` plus
    the learned 2-D grid position embedding of the trunk (as SCORER/DIRL), giving F_bef, F_aft
-   (B, N, d), N = H*W. The k retrieved change entities of the pair (§3.1, made by
+   (B, N, d), N = H*W. The k retrieved change entities of the pair (paper §3.1, made by
    ``data_prep.retrieval``; CLIP text embeddings in the paper) come in as (B, k, D_e) and are
    projected to d by one Linear: E (B, k, d). [choice: a projection is needed because CRE/DRE
    compare E with image features position by position.]
-1. CRE / DRE (§3.2.1-3.2.2), one module :class:`RepresentationEnhancement` with a ``mode``.
+1. CRE / DRE (paper §3.2.1-3.2.2), one module :class:`RepresentationEnhancement` with a ``mode``.
    For a target T (B, Nt, d) and a source S (B, Ns, d):
      Sim(i, j) = cos(T_i, S_j);  P(i, j) = softmax_j Sim(i, j)                           (Eq. 2)
      P_hat(i) = Linear(max_j P(i, j))          [CRE, "common"]                           (Eq. 3)
@@ -21,7 +21,7 @@ Method
    The Linear maps the scalar to d channels ("expanded to the same dimensions as F_target").
    We read Eq. 2's normaliser as the sum over the source positions of row i (a softmax per
    target position). ``similarity_scale`` multiplies Sim before the softmax (1 = as printed).
-2. One HRD layer (§3.2.3, :class:`HRDLayer`), the module call CRE(source, target):
+2. One HRD layer (paper §3.2.3, :class:`HRDLayer`), the module call CRE(source, target):
      C_i = CRE(F_j, F_i),  C'_i = DRE(E, F_i)                                            (Eq. 6)
      L_C = MSE(P_hat of CRE, P_hat of DRE)                                               (Eq. 7)
      C~_i = MHCA(C_i, C_j)                                                               (Eq. 8)
@@ -42,7 +42,7 @@ Method
    Stacked layers (``hrd_layers``, Fig. 6) feed D_bef, D_aft on as the next layer's F; the
    losses are averaged over layers.
 3. Fusion: F_diff = Linear(Concat[D_bef; D_aft]) over channels, then dropout        (Eq. 12).
-4. Gated decoder (§3.3, :class:`GatedDecoderLayer`): word embedding + fixed sinusoid PE, a
+4. Gated decoder (paper §3.3, :class:`GatedDecoderLayer`): word embedding + fixed sinusoid PE, a
    Linear to d, then per layer
      H' = LN(H + SelfAttention(H))          (causal; the residual + LN is our choice)
      H^T = MHCA(H', E, E),  H^V = MHCA(H', F_diff, F_diff)                               (Eq. 13)

@@ -1,7 +1,7 @@
 """The transformer caption decoder family.
 
 :class:`Speaker` is SCORER's caption decoder (official ``models/transformer_decoder.py``,
-reference ``shared/reference/official_pytorch.md`` §3.2, cited as §N below); the Subtraction
+notes ``docs/official/scorer.md`` §3.2; §N below: sections of docs/official/); the Subtraction
 baseline uses it unchanged. It is a 2-layer post-LN transformer decoder with the official
 code's quirks reproduced:
 

@@ -1,7 +1,7 @@
 """DIRL + CCR (Tu et al., ECCV 2024): distractors-immune representation learning with
 cross-modal contrastive regularisation, as the official code ``tuyunbin/DIRL`` computes it.
 
-Section numbers (§) refer to ``shared/reference/official_pytorch.md``.
+Section numbers (§) and quirk ids (D-Q) refer to docs/official/ (index: docs/official/README.md).
 
 Method
 ------

@@ -1,7 +1,7 @@
 """IDC-PCL (Yao et al., AAAI 2022): image difference captioning with pre-training and
 contrastive learning, as the official code ``yaolinli/IDC`` (``clver/``) computes it.
 
-Section numbers (§) refer to ``shared/reference/official_pytorch.md``.
+Section numbers (§) and quirk ids (I-Q) refer to docs/official/ (index: docs/official/README.md).
 
 Method
 ------

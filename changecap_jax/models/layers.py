@@ -1,7 +1,7 @@
 """Shared building blocks with PyTorch-compatible behaviour.
 
 Everything here is batch-first and channels-last. The blocks reproduce the torch modules that the
-official SCORER / DIRL / IDC code uses (``reference/official_pytorch.md`` §1), so that a converted
+official SCORER / DIRL / IDC code uses (``docs/official/common.md`` §1), so that a converted
 state_dict gives the same numbers:
 
 * initialisers that draw from the same distributions as torch's defaults and ``xavier_uniform_``

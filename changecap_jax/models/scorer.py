@@ -1,8 +1,8 @@
 """SCORER + CBR (Tu et al., ICCV 2023): self-supervised cross-view representation reconstruction
 with cross-modal backward reasoning, as the official code ``tuyunbin/SCORER`` computes it.
 
-Section numbers (§) refer to ``shared/reference/official_pytorch.md``; "paper Eq. N" to
-``shared/papers/scorer_iccv2023.txt``.
+Section numbers (§) and quirk ids (S-Q) refer to docs/official/ (index: docs/official/README.md);
+"paper Eq. N" to the SCORER paper (Tu et al., ICCV 2023).
 
 Method
 ------

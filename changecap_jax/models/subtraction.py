@@ -2,7 +2,7 @@
 
 The paper describes it in one sentence: "a transformer-based baseline model which computes
 difference features by direct subtraction" (supplement §6.3); no code was released. Our reading,
-built from SCORER's own parts (``shared/reference/official_pytorch.md`` §3.1-§3.2):
+built from SCORER's own parts (``docs/official/scorer.md`` §3.1-§3.2):
 
 1. Input embedding as SCORER (paper Eq. 1): each grid (B, H, W, C) goes through the shared 1x1
    projection ``img_0`` to ``hidden`` channels (coordinates appended first on CLEVR-Change).

@@ -34,7 +34,7 @@ all splits (the official ``L_h5``; the preset's ``seq_length: 40`` is its decode
 
 Features: ResNet-101 layer3, (1024, 14, 14). datasets.md §2 reads the DIRL preset's
 ``input_dim: 2048`` as layer4 (2048 x 7 x 7), but the DC model's first conv has weight shape
-(512, 1024, 1, 1) and its dataset code expects (1024, 14, 14) (official_pytorch.md §2.6), so
+(512, 1024, 1, 1) and its dataset code expects (1024, 14, 14) (docs/official/common.md §2.6), so
 the model code wins. Feature files: ``<image name>.npy`` in ``features/`` (before) and
 ``sc_features/`` (after) of ``features_dir``; with the upstream layout, DIRL-named files
 (``000123.png.npy`` for ``bef/123.png``) are found too.

@@ -1,6 +1,6 @@
 """DIRL + CCR (tuyunbin/DIRL) re-implemented in plain PyTorch, test-only.
 
-Written from ``shared/reference/official_pytorch.md`` (cited as §N below), not from any code:
+Written from the notes in ``docs/official/`` (cited as §N below), not from any code:
 §4.1 encoder ``DIRL``, §4.2 decoder ``CCR`` in both variants, §4.3 losses, §4.4 initialisation,
 §4.6 decoding and the "R" quirks of §4.8. Module and attribute names are chosen so that
 ``state_dict()`` keys, order and shapes equal Appendix B (and the listed CLEVR-DC differences).

@@ -1,6 +1,6 @@
 """IDC-PCL (yaolinli/IDC, ``clver/``) re-implemented in plain PyTorch, test-only.
 
-Written from ``shared/reference/official_pytorch.md`` (cited as §N below), not from any code:
+Written from the notes in ``docs/official/`` (cited as §N below), not from any code:
 §5.2 model (both stages), §5.3 pretraining losses, §5.4 fine-tuning losses, §5.5 greedy
 decoding (as a full recompute, which §5.5 states is equal to the official cached loop) and the
 "R" quirks of §5.9. Module and attribute names are chosen so that ``state_dict()`` keys, order

@@ -1,6 +1,6 @@
 """SCORER + CBR (tuyunbin/SCORER) re-implemented in plain PyTorch, test-only.
 
-Written from ``shared/reference/official_pytorch.md`` (cited as §N below), not from any code:
+Written from the notes in ``docs/official/`` (cited as §N below), not from any code:
 §2.3 AddSpatialInfo, §2.5 caption mask / targets, §3.1 ``ChangeDetector``, §3.2 ``Speaker``,
 §3.3 CBR (``generator``), §3.4 losses, §3.5 initialisation, §3.7 ``Speaker.sample``, and the
 quirks of §3.10 (all the "R" ones are reproduced). Module and attribute names are chosen so that
