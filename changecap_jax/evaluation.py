@@ -73,6 +73,7 @@ from pycocoevalcap.spice import get_stanford_models as _spice_models
 from pycocoevalcap.spice import spice as _spice_module
 from pycocoevalcap.tokenizer import ptbtokenizer as _ptb
 
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ _SPICE_DIR = _PKG_DIR / "spice"
 _SENTINEL = "sentinel"
 
 
-class SpiceUnavailableError(RuntimeError):
+class SpiceUnavailableError(UserError, RuntimeError):
     """Raised when ``spice="on"`` is requested but SPICE cannot run here."""
 
 

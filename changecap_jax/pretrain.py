@@ -112,6 +112,7 @@ from tqdm import tqdm
 from changecap_jax import export, parallel, precision, train
 from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
+from changecap_jax.errors import UserError
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models import idc_pcl
 
@@ -122,7 +123,7 @@ VAL_SEED = 0  # the val batches' shuffle: the same batches at every validation
 EXTRA_FOLD = 0xE17A  # the classification heads' dropout: fold_in(the device's dropout key, it)
 
 
-class PretrainError(ValueError):
+class PretrainError(UserError, ValueError):
     """A pretraining config or input that cannot work (names the field or the file)."""
 
 
