@@ -12,12 +12,17 @@
                                          is then optional (it overrides all but the model)
     --multihost                          call jax.distributed.initialize first
     --verbose                            tracebacks of user errors, and the whole config
+
+A run ends with a line naming its metrics, captions and checkpoints folders and the command
+that makes its HTML report (changecap_jax.report).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shlex
 from pathlib import Path
 
 from absl import app, flags
@@ -37,6 +42,24 @@ flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator ho
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's id (with --coordinator_address).")
 flags.DEFINE_string("cpu_collectives", None, "CPU collectives for multi-process CPU runs: gloo.")
+
+
+def closing_line(workdir: str | os.PathLike) -> str:
+    """What a run leaves in ``workdir`` (the folders that exist) and, when it has captions and
+    its config.json, the command that makes the HTML report of its latest evaluation."""
+    workdir = Path(workdir)
+    folders = [f"{name} {workdir / name}" for name in ("metrics", "captions", "checkpoints")
+               if (workdir / name).is_dir()]
+    line = "done: " + (", ".join(folders) if folders else f"nothing written in {workdir}")
+    # captions/<split>_<step>.json, by time written; the report's default split is test.
+    evaluated = sorted((p.stat().st_mtime, m.group(1)) for p in (workdir / "captions").glob("*")
+                       if (m := re.fullmatch(r"(.+)_\d+\.json", p.name)))
+    if evaluated and (workdir / "config.json").exists():
+        splits = {split for _, split in evaluated}
+        split = "test" if "test" in splits else evaluated[-1][1]
+        command = f"python -m changecap_jax.report --workdir={shlex.quote(str(workdir))}"
+        line += "; HTML report: " + command + ("" if split == "test" else f" --split={split}")
+    return line
 
 
 def _require_checkpoint(workdir: str) -> None:
@@ -84,6 +107,7 @@ def main(argv: list[str]) -> None:
                                         FLAGS.process_id, FLAGS.cpu_collectives)
     if FLAGS.model is not None:
         train.evaluate_exported(FLAGS.model, workdir, config)
+        _close(workdir)
         return
     # The whole config is in WORKDIR/config.json once training starts; on the console it
     # would bury the rest (and an early error under 70 lines).
@@ -98,6 +122,14 @@ def main(argv: list[str]) -> None:
         train.Trainer(config, workdir).train()
     else:
         train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+    _close(workdir)
+
+
+def _close(workdir: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(closing_line(workdir), flush=True)
 
 
 if __name__ == "__main__":

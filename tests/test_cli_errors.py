@@ -1,6 +1,7 @@
 """The command lines as a user meets them (changecap_jax.cli, changecap_jax.console): a user
 error is one line on stderr and exit status 2, a bug keeps its traceback; log lines are not
-glued to a progress bar.
+glued to a progress bar, the training ETA ignores stalls, SPICE's note comes once, and a run
+ends with a line naming its outputs.
 
 Each case of the first test is one subprocess that fails before any dataset build or compile.
 """
@@ -11,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from absl import flags
 from tqdm import tqdm
 
 from changecap_jax import cli, console
+from changecap_jax import evaluation as ev
 from changecap_jax.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,3 +156,73 @@ def test_log_line_is_not_glued_to_an_open_bar(capsys):
     # The bar's line was cleared (ends in \r, not in the bar's text), then redrawn.
     assert "3/10" in before and before.endswith("\r"), repr(before[-80:])
     assert "3/10" in after and "4/10" in after
+
+
+def test_training_bar_eta_ignores_compile_and_evaluation(capsys):
+    bar = console.StepBar(1000, 0, "train")
+    time.sleep(0.4)  # the first step's compile
+    for step in range(1, 21):
+        time.sleep(0.01)
+        if step == 1:
+            bar.unpause()  # as the trainer: the bar starts paused until the first step is done
+        bar.update(1)
+        if step == 1:
+            assert bar.format_dict["rate"] > 10  # not the compile's 1 / 0.4 s
+        if step == 10:
+            bar.pause()
+            time.sleep(0.6)  # an evaluation
+            bar.unpause()
+    info = bar.format_dict
+    bar.close()
+    assert info["elapsed"] > 1.0  # the wall clock's
+    # Counting the stalls a step would take (0.4 + 0.6) / 20 + 0.01 = 0.06 s: an ETA 4x too
+    # long; tqdm's default moving average swings further after each stall.
+    assert 1 / info["rate"] < 0.035, 1 / info["rate"]
+    assert "train:" in capsys.readouterr().err
+
+
+def test_spice_note_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(ev, "spice_missing_files", lambda: [Path("/nowhere/spice-1.0.jar")])
+    monkeypatch.setattr(ev, "_SPICE_NOTES_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger=ev.logger.name):
+        for _ in range(2):  # two evaluations
+            assert ev._resolve_spice("auto") is False
+    notes = [r for r in caplog.records if "SPICE skipped" in r.getMessage()]
+    assert len(notes) == 1 and "/nowhere/spice-1.0.jar" in notes[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_run_ends_with_its_outputs_and_the_report_command(monkeypatch, tmp_path, capsys, mode):
+    from changecap_jax import export, train
+    from changecap_jax import main as entry
+
+    workdir = tmp_path / "run dir"  # a space: the printed command quotes the path
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+
+    def outputs(config, *_args) -> None:  # what a run writes, without training
+        export.save_config(workdir, config)
+        record = ev.PairCaption("0.png", "a cube moved", ["a cube moved"], "move")
+        ev.write_results(workdir, "val", 3, [record], {"CIDEr": 1.0})
+
+    class Trainer:
+        def __init__(self, config, workdir):
+            self.config = config
+
+        def train(self) -> None:
+            outputs(self.config)
+
+    monkeypatch.setattr(train, "Trainer", Trainer)
+    monkeypatch.setattr(train, "evaluate_checkpoint", outputs)
+    argv = ["main", "--config=configs/dirl.py", f"--workdir={workdir}", f"--mode={mode}"]
+    monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+    monkeypatch.chdir(REPO)
+    flags.FLAGS(argv)
+    try:
+        entry.main(["main"])
+    finally:
+        flags.FLAGS.unparse_flags()
+    last = capsys.readouterr().out.splitlines()[-1]
+    quoted = f"'{workdir}'"
+    assert last == (f"done: metrics {workdir}/metrics, captions {workdir}/captions, checkpoints "
+                    f"{workdir}/checkpoints; HTML report: python -m changecap_jax.report "
+                    f"--workdir={quoted} --split=val")
