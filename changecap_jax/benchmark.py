@@ -52,6 +52,7 @@ from ml_collections import config_flags
 from changecap_jax import decoding, models, parallel, precision, train
 from changecap_jax import synthetic_inputs as si
 from changecap_jax.data import pipeline
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import write_json_atomic
 from changecap_jax.models.base import conditioning_shapes
 
@@ -80,7 +81,7 @@ class Setup:
 # ---------------------------------------------------------------------------------------------
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(UserError, ValueError):
     """A config the benchmark cannot time."""
 
 
@@ -372,13 +373,10 @@ def main(argv: list[str]) -> None:
         config.batch_size = FLAGS.batch_size
     if FLAGS.eval_batch_size:
         config.eval_batch_size = FLAGS.eval_batch_size
-    try:
-        shapes = _shapes_from_flags(config) if FLAGS.synthetic_inputs else None
-        results = run(config, FLAGS.steps, FLAGS.decode_batches,
-                      synthetic_inputs=FLAGS.synthetic_inputs, shapes=shapes,
-                      input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size)
-    except (BenchmarkError, si.SyntheticInputError) as e:
-        raise SystemExit(f"benchmark: {e}") from None
+    shapes = _shapes_from_flags(config) if FLAGS.synthetic_inputs else None
+    results = run(config, FLAGS.steps, FLAGS.decode_batches,
+                  synthetic_inputs=FLAGS.synthetic_inputs, shapes=shapes,
+                  input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size)
     # A PyTorch reference timing (--compare_torch) would add its own keys to ``results`` here,
     # before the report and the JSON.
     results.update(preset=FLAGS["config"].config_filename,
@@ -391,9 +389,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     define_flags()
     flags.mark_flag_as_required("config")
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from changecap_jax import losses
 
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

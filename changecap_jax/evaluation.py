@@ -17,7 +17,8 @@ number:
 
 SPICE needs the Stanford CoreNLP 3.6.0 jars in ``pycocoevalcap/spice/lib``.  ``pycocoevalcap``
 downloads them on first use; this module never does: when they are missing SPICE is skipped with one
-log message (``spice="auto"``) or a :class:`SpiceUnavailableError` is raised (``spice="on"``).
+log message per process (``spice="auto"``) or a :class:`SpiceUnavailableError` is raised
+(``spice="on"``).
 
 Public API:
 
@@ -73,6 +74,7 @@ from pycocoevalcap.spice import get_stanford_models as _spice_models
 from pycocoevalcap.spice import spice as _spice_module
 from pycocoevalcap.tokenizer import ptbtokenizer as _ptb
 
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ _SPICE_DIR = _PKG_DIR / "spice"
 _SENTINEL = "sentinel"
 
 
-class SpiceUnavailableError(RuntimeError):
+class SpiceUnavailableError(UserError, RuntimeError):
     """Raised when ``spice="on"`` is requested but SPICE cannot run here."""
 
 
@@ -195,8 +197,14 @@ def spice_setup_message(missing: Sequence[Path] | None = None) -> str:
     )
 
 
+# The SPICE-skipped notes already logged by this process: a training run evaluates many times
+# and the note (a paragraph) would otherwise be repeated at each.
+_SPICE_NOTES_LOGGED: set[str] = set()
+
+
 def _resolve_spice(spice: str) -> bool:
-    """Whether SPICE should run for ``spice`` in {"auto", "on", "off"}; logs / raises as needed."""
+    """Whether SPICE should run for ``spice`` in {"auto", "on", "off"}; logs (once per
+    process) / raises as needed."""
     if spice not in _SPICE_MODES:
         raise ValueError(f"spice must be one of {_SPICE_MODES}, got {spice!r}")
     if spice == "off":
@@ -207,7 +215,9 @@ def _resolve_spice(spice: str) -> bool:
     message = spice_setup_message(missing)
     if spice == "on":
         raise SpiceUnavailableError(message)
-    logger.warning("%s", message)
+    if message not in _SPICE_NOTES_LOGGED:
+        _SPICE_NOTES_LOGGED.add(message)
+        logger.warning("%s", message)
     return False
 
 

@@ -44,6 +44,7 @@ import numpy as np
 from changecap_jax import models
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import Vocabulary
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import read_json, staging_dir, write_json_atomic
 from changecap_jax.models.base import conditioning_shapes
 
@@ -54,7 +55,7 @@ VOCAB_FILE = "vocab.json"
 CONFIG_FILE = "config.json"  # in a workdir: the run's config, written by the trainer
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A workdir that cannot be exported or an exported directory that cannot be loaded."""
 
 
@@ -329,7 +330,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "Run config (workdirs without config.json).")
@@ -337,7 +338,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Export directory to create.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: best by val CIDEr, else latest).")
     flags.DEFINE_string("weights", None, "ResNet-101 weights to record for predict.")
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

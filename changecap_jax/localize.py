@@ -90,13 +90,13 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("model", None, "Exported model directory.", required=True)
     flags.DEFINE_string("split", "test", "Split.")
     flags.DEFINE_integer("beam_size", 1, "Beam size (1 = greedy).")
     flags.DEFINE_string("data_dir", None, "Dataset root, if not the training one.")
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

@@ -11,15 +11,25 @@
                                          (python -m changecap_jax.export) instead; --config
                                          is then optional (it overrides all but the model)
     --multihost                          call jax.distributed.initialize first
+    --verbose                            tracebacks of user errors, and the whole config
+
+A run ends with a line naming its metrics, captions and checkpoints folders and the command
+that makes its HTML report (changecap_jax.report).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shlex
+from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from changecap_jax import cli
+from changecap_jax.errors import UserError
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
@@ -34,9 +44,59 @@ flags.DEFINE_integer("process_id", None, "This process's id (with --coordinator_
 flags.DEFINE_string("cpu_collectives", None, "CPU collectives for multi-process CPU runs: gloo.")
 
 
+def closing_line(workdir: str | os.PathLike) -> str:
+    """What a run leaves in ``workdir`` (the folders that exist) and, when it has captions and
+    its config.json, the command that makes the HTML report of its latest evaluation."""
+    workdir = Path(workdir)
+    folders = [f"{name} {workdir / name}" for name in ("metrics", "captions", "checkpoints")
+               if (workdir / name).is_dir()]
+    line = "done: " + (", ".join(folders) if folders else f"nothing written in {workdir}")
+    # captions/<split>_<step>.json, by time written; the report's default split is test.
+    evaluated = sorted((p.stat().st_mtime, m.group(1)) for p in (workdir / "captions").glob("*")
+                       if (m := re.fullmatch(r"(.+)_\d+\.json", p.name)))
+    if evaluated and (workdir / "config.json").exists():
+        splits = {split for _, split in evaluated}
+        split = "test" if "test" in splits else evaluated[-1][1]
+        command = f"python -m changecap_jax.report --workdir={shlex.quote(str(workdir))}"
+        line += "; HTML report: " + command + ("" if split == "test" else f" --split={split}")
+    return line
+
+
+def _require_checkpoint(workdir: str) -> None:
+    """--mode=eval of a workdir without checkpoints fails before the dataset is opened (or,
+    for the synthetic one, built)."""
+    directory = Path(workdir) / "checkpoints"
+    # orbax names each step's folder by its number.
+    if not directory.is_dir() or not any(p.name.isdigit() for p in directory.iterdir()):
+        raise UserError(f"no checkpoint in {directory}: train into --workdir={workdir} first, "
+                        "or convert one (python -m changecap_jax.convert)")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = FLAGS.config
+    # The command line is checked before the heavy imports (JAX, orbax, TFDS): a mistake in
+    # it is reported at once.
+    if FLAGS.model is not None:
+        if FLAGS.mode != "eval":
+            raise app.UsageError("--model is for --mode=eval (train from a config)")
+        workdir = FLAGS.workdir or os.path.join(
+            "workdir", "eval_" + os.path.basename(os.path.normpath(FLAGS.model)))
+    else:
+        if config is None:
+            raise app.UsageError("--config is required (or --mode=eval --model=DIR)")
+        # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
+        # it validates while training and has no captions to score.
+        if "pretrain" in config and FLAGS.mode != "train":
+            raise app.UsageError("a pretraining config (with a pretrain block) has no "
+                                 "--mode=eval: its val losses are written while it trains")
+        workdir = FLAGS.workdir
+        if workdir is None:
+            name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
+            workdir = os.path.join("workdir", name)
+        if FLAGS.mode == "eval":
+            _require_checkpoint(workdir)
     from changecap_jax import parallel, train
 
     # orbax logs every checkpoint step at INFO; keep its warnings only.
@@ -45,27 +105,16 @@ def main(argv: list[str]) -> None:
     if FLAGS.multihost:
         parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                         FLAGS.process_id, FLAGS.cpu_collectives)
-    config = FLAGS.config
     if FLAGS.model is not None:
-        if FLAGS.mode != "eval":
-            raise app.UsageError("--model is for --mode=eval (train from a config)")
-        workdir = FLAGS.workdir or os.path.join(
-            "workdir", "eval_" + os.path.basename(os.path.normpath(FLAGS.model)))
         train.evaluate_exported(FLAGS.model, workdir, config)
+        _close(workdir)
         return
-    if config is None:
-        raise app.UsageError("--config is required (or --mode=eval --model=DIR)")
-    workdir = FLAGS.workdir
-    if workdir is None:
-        name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
-        workdir = os.path.join("workdir", name)
-    logging.info("workdir: %s\nconfig:\n%s", workdir, config)
+    # The whole config is in WORKDIR/config.json once training starts; on the console it
+    # would bury the rest (and an early error under 70 lines).
+    logging.info("workdir %s, config %s", workdir, FLAGS["config"].config_filename)
+    if FLAGS.verbose:
+        logging.info("config:\n%s", config)
     if "pretrain" in config:
-        # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
-        # it validates while training and has no captions to score.
-        if FLAGS.mode != "train":
-            raise app.UsageError("a pretraining config (with a pretrain block) has no "
-                                 "--mode=eval: its val losses are written while it trains")
         from changecap_jax import pretrain
 
         pretrain.PretrainTrainer(config, workdir).train()
@@ -73,10 +122,18 @@ def main(argv: list[str]) -> None:
         train.Trainer(config, workdir).train()
     else:
         train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+    _close(workdir)
+
+
+def _close(workdir: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(closing_line(workdir), flush=True)
 
 
 if __name__ == "__main__":
     from changecap_jax import compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

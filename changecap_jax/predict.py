@@ -38,18 +38,32 @@ from PIL import Image, ImageDraw, UnidentifiedImageError
 from tqdm import tqdm
 
 from changecap_jax import decoding, explain
+from changecap_jax.errors import UserError
 from changecap_jax.export import ExportedModel, load_exported
 from changecap_jax.jsonio import write_json_atomic
 from changecap_jax.models.base import conditioning_shapes, decoding_rules, extra_tokens
 
 
-class PredictError(ValueError):
+class PredictError(UserError, ValueError):
     """Bad input to predict (unreadable image, malformed pairs file, unusable extractor)."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
+
+
+def check_image(path: str | os.PathLike) -> None:
+    """Raises :func:`read_image`'s error for a missing or non-image file, from its header only
+    (cheap: predict checks every input before it loads the model)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictError(f"image {path} does not exist")
+    try:
+        with Image.open(path):
+            pass
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise PredictError(f"cannot read image {path}: {e}") from e
 
 
 def read_image(path: str | os.PathLike) -> np.ndarray:
@@ -270,6 +284,9 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
                   weights: str | None = None, device: str | None = None,
                   progress: bool = True) -> list[Prediction]:
     """Captions, heatmaps and files for ``pairs`` of image paths (see the module docstring)."""
+    for pair in pairs:
+        for path in pair:
+            check_image(path)
     exported = load_exported(model_dir)
     extractor = FeatureExtractor(exported.extractor, weights, device)
     predictor = Predictor(exported, beam_size=beam_size, length_penalty=length_penalty)
@@ -313,19 +330,16 @@ def main(argv: list[str]) -> None:
         pairs, names = [(Path(f.before), Path(f.after))], [f.name or "pair_0000"]
     else:
         raise app.UsageError("give --before=IMG --after=IMG, or --pairs=FILE.csv")
-    try:
-        results = predict_pairs(f.model, pairs, f.out, names=names, beam_size=f.beam_size,
-                                length_penalty=f.length_penalty, batch_size=f.batch_size,
-                                weights=f.weights, device=f.device)
-    except PredictError as e:
-        raise SystemExit(f"predict: {e}") from None
+    results = predict_pairs(f.model, pairs, f.out, names=names, beam_size=f.beam_size,
+                            length_penalty=f.length_penalty, batch_size=f.batch_size,
+                            weights=f.weights, device=f.device)
     for pred in results:
         print(f"{pred.before} -> {pred.after}: {pred.caption}")
     print(f"wrote {len(results)} pair(s) to {f.out}")
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("model", None, "Exported model directory.", required=True)
     flags.DEFINE_string("before", None, "Before image.")
@@ -338,7 +352,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch_size", 16, "Pairs per decoding batch.")
     flags.DEFINE_string("weights", None, "ResNet-101 weights (overrides the export's).")
     flags.DEFINE_string("device", None, "torch device for ResNet-101 (default: cuda if any).")
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

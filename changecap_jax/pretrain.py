@@ -109,11 +109,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
-from changecap_jax import export, parallel, precision, train
+from changecap_jax import console, export, parallel, precision, train
 from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
+from changecap_jax.errors import UserError
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models import idc_pcl
 
@@ -124,7 +124,7 @@ VAL_SEED = 0  # the val batches' shuffle: the same batches at every validation
 EXTRA_FOLD = 0xE17A  # the classification heads' dropout: fold_in(the device's dropout key, it)
 
 
-class PretrainError(ValueError):
+class PretrainError(UserError, ValueError):
     """A pretraining config or input that cannot work (names the field or the file)."""
 
 
@@ -805,8 +805,8 @@ class PretrainTrainer(train.Trainer):
                          np.round(self.probabilities, 4).tolist(), self.batch_sizes,
                          self.extra.task if self.extra else None,
                          self.extra.rows if self.extra else 0, start)
-        bar = tqdm(total=total, initial=start, disable=not self.is_main, desc="pretrain",
-                   dynamic_ncols=True)
+        # ETA from the average step time, compiles and validations left out (paused).
+        bar = console.StepBar(total, start, "pretrain", disable=not self.is_main)
         last: dict[str, float] = {}
         window: dict[str, list] = {t: [] for t in self.tasks}
         window_start, window_steps = time.perf_counter(), 0
@@ -814,6 +814,8 @@ class PretrainTrainer(train.Trainer):
             task = draw_task(config.seed, step, self.tasks, self.probabilities)
             batch = pipeline.to_global(self.host_batch(task, iterators), self.data_sharding)
             state, metrics = self.task_steps[task](state, batch)
+            if step == start + 1:
+                bar.unpause()  # the bar starts paused: the first call compiled
             window[task].append(metrics)
             window_steps += 1
             bar.update(1)
@@ -826,9 +828,11 @@ class PretrainTrainer(train.Trainer):
                 window = {t: [] for t in self.tasks}
                 window_start, window_steps = time.perf_counter(), 0
             if step % config.eval_every_steps == 0 or step == total:
+                bar.pause()
                 last = self.validate(state, step)
                 if last:
                     writer.write_scalars(step, last)
+                bar.unpause()
             if step % config.checkpoint_every_steps == 0 or step == total:
                 self.save(manager, step, state, iterators)
         bar.close()

@@ -33,13 +33,14 @@ from tqdm import tqdm
 from changecap_jax import evaluation, explain, export, train
 from changecap_jax.data import datasets
 from changecap_jax.data.vocab import START_ID
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import read_json
 from changecap_jax.report_html import GalleryEntry, write_report
 
 THUMBNAIL_HEIGHT = 160
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A workdir that lacks what the report needs (the message says what)."""
 
 
@@ -129,6 +130,9 @@ def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, 
 def build_report(workdir: str | os.PathLike, split: str = "test", step: int | None = None,
                  out: str | os.PathLike | None = None, max_gallery: int = 500) -> Path:
     workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise ReportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
+                          "run (python -m changecap_jax.main --workdir=...)")
     step = latest_evaluated_step(workdir, split) if step is None else step
     captions_path = workdir / "captions" / f"{split}_{step}.json"
     metrics_path = workdir / "metrics" / f"{split}_{step}.json"
@@ -193,22 +197,19 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    try:
-        path = build_report(f.workdir, f.split, f.step, f.out, f.max_gallery)
-    except (ReportError, export.ExportError) as e:
-        raise SystemExit(f"report: {e}") from None
+    path = build_report(f.workdir, f.split, f.step, f.out, f.max_gallery)
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("workdir", None, "Workdir of the run.", required=True)
     flags.DEFINE_string("split", "test", "Evaluated split.")
     flags.DEFINE_integer("step", None, "Evaluation step (default: the latest).")
     flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report_SPLIT_STEP.html).")
     flags.DEFINE_integer("max_gallery", 500, "Pairs in the gallery (worst CIDEr first).")
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
-    app.run(main)
+    cli.run(main)

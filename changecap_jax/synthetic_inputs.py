@@ -21,6 +21,7 @@ import numpy as np
 
 from changecap_jax.data.synthetic.builder import DEFAULT_MAX_CAPTION_LEN
 from changecap_jax.data.vocab import END_ID, START_ID
+from changecap_jax.errors import UserError
 from changecap_jax.models.base import conditioning_shapes, pair_streams
 
 # Caption stream -> (after-image key, caption ids key), as the trainer's input pipeline names
@@ -34,7 +35,7 @@ LAYER3_GRID = (14, 14, 1024)  # ResNet-101 layer3: SCORER, DIRL, CHEERS, Subtrac
 LAYER4_GRID_HW = (7, 7)  # ResNet-101 layer4 (x 2048): IDC-PCL
 
 
-class SyntheticInputError(ValueError):
+class SyntheticInputError(UserError, ValueError):
     """The benchmark cannot make a batch this model or config reads."""
 
 

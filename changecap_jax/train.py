@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import decoding, evaluation, export, models, parallel, precision
+from changecap_jax import console, decoding, evaluation, export, models, parallel, precision
 from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
@@ -425,13 +425,15 @@ class Trainer:
             logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
                          config.model.name, n_params, self.steps_per_epoch, start)
         total_steps = self.total_train_steps
-        bar = tqdm(total=total_steps, initial=start, disable=not self.is_main,
-                   desc="train", dynamic_ncols=True)
+        # ETA from the average step time, compile and evaluations left out (paused).
+        bar = console.StepBar(total_steps, start, "train", disable=not self.is_main)
         last_eval: dict[str, Any] = {}
         window_start, window_steps = time.perf_counter(), 0
         for step in range(start + 1, total_steps + 1):
             batch = pipeline.to_global(next(iterator), self.data_sharding)
             state, metrics = self.train_step(state, batch)
+            if step == start + 1:
+                bar.unpause()  # the bar starts paused: the first call compiled
             window_steps += 1
             bar.update(1)
             if step % config.log_every_steps == 0 or step == total_steps:
@@ -448,6 +450,7 @@ class Trainer:
             do_save = do_eval or step % config.checkpoint_every_steps == 0
             stop = False
             if do_eval:
+                bar.pause()
                 final = step == total_steps and not stopper.enabled
                 splits = config.final_eval_splits if final else config.eval_splits
                 try:
@@ -461,6 +464,7 @@ class Trainer:
                     raise
                 if stopper.enabled:
                     stop = stopper.update(step, last_eval, state)
+                bar.unpause()
             if do_save:
                 saved_metrics = ({"val_CIDEr": last_eval["val"].get("CIDEr", 0.0)}
                                  if do_eval and "val" in last_eval else None)

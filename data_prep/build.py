@@ -108,4 +108,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from changecap_jax import cli
+
+    cli.run(main)

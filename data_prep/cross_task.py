@@ -66,6 +66,7 @@ from tqdm import tqdm
 
 from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
 from changecap_jax.data.vocab import Vocabulary, log_unknown_words
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import staging_dir
 
 FeatureFn = Callable[[Sequence[Path]], np.ndarray]  # image paths -> (N, H, W, C) grids
@@ -73,7 +74,7 @@ SPLIT_FLAGS = {"1": "train", "0": "test"}
 TASKS = {"cub": "caption", "nabirds": "classify"}
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A raw dataset that does not follow its official layout; names the file and line."""
 
 
@@ -742,7 +743,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from changecap_jax import cli
 
     _define_flags()
-    app.run(main)
+    cli.run(main)

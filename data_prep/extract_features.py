@@ -251,7 +251,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from changecap_jax import cli
 
     _define_flags()
-    app.run(main)
+    cli.run(main)

@@ -109,6 +109,7 @@ from changecap_jax.data.negatives import (  # noqa: F401  (the reader lives in t
     negatives_by_pair,
     negatives_path,
 )
+from changecap_jax.errors import UserError
 from data_prep import word_classes as wc
 
 NUM_PER_KIND = 2
@@ -120,7 +121,7 @@ TIE_DECIMALS = 6
 CLEVR_STYLE = ("synthetic", "clevr_change", "clevr_dc")
 
 
-class HardNegativeError(RuntimeError):
+class HardNegativeError(UserError, RuntimeError):
     """Negatives cannot be built (e.g. a split with no other caption to retrieve)."""
 
 
@@ -801,7 +802,7 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
+    from changecap_jax import cli
 
     _define_flags()
-    app.run(main)
+    cli.run(main)

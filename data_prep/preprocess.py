@@ -54,6 +54,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+from changecap_jax.errors import UserError
+
 try:  # Optional: the official pipeline used OpenCV; use it when it is installed.
     import cv2 as _cv2
 except ImportError:  # pragma: no cover - depends on the install
@@ -69,7 +71,7 @@ _COEF_SCALE = 1 << _COEF_BITS  # INTER_RESIZE_COEF_SCALE
 _SIMD_LANES = 8  # v_int16 lanes of 128-bit SIMD (OpenCV's x86 SSE baseline, NEON)
 
 
-class ImageReadError(OSError):
+class ImageReadError(UserError, OSError):
     """An image file that cannot be read or decoded; the message names the file."""
 
 

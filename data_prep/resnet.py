@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from changecap_jax.errors import UserError
+
 try:  # torchvision can be absent or broken (e.g. built for another torch): guard broadly.
     from torchvision.models import resnet101 as _tv_resnet101
 except Exception:  # pragma: no cover - depends on the install
@@ -32,7 +34,7 @@ LAYERS = (3, 4, 23, 3)
 OUTPUT_SHAPES = {3: (1024, 14, 14), 4: (2048, 7, 7)}  # for 224 x 224 inputs
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """A weights file that is missing, unreadable or does not fit ResNet-101; names the file."""
 
 

@@ -694,8 +694,9 @@ def _define_flags(fv: Any) -> None:
 
 def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
     """The command; ``argv`` as ``sys.argv`` (program name first). Returns the exit status:
-    0, 1 on an error (printed to stderr), 2 on bad flags, 130 when interrupted (a CLIP run
-    then continues from its cache when started again)."""
+    0; 2 on a user error, bad flags included (one line on stderr, as changecap_jax.cli
+    prints it for the other commands); 130 when interrupted (a CLIP run then continues from
+    its cache when started again)."""
     import sys
 
     from absl import flags
@@ -733,7 +734,7 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
                           "stop_after_batches": fv.stop_after_batches})
     except (datasets.DatasetError, OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt as e:
         cache = dataset.directory / CLIP_CACHE_DIR if dataset is not None else None
         print(f"interrupted ({e}); nothing written"

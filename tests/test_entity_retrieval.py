@@ -237,7 +237,7 @@ def test_contrastive_command_end_to_end(synthetic, contrastive_output):
     assert train["n"] == SMALL["num_train"] and train["top3"] > 0.5 > 20 * meta["chance_top3"]
     assert "top-1" in out and "chance: top-1" in out and "written:" in out
     status, _ = cli(synthetic, "--steps=1")
-    assert status == 1  # exists: needs --overwrite
+    assert status == 2  # exists: needs --overwrite
 
 
 def test_missing_entity_list_names_the_file_and_the_command(synthetic, tmp_path, capsys):
@@ -247,7 +247,7 @@ def test_missing_entity_list_names_the_file_and_the_command(synthetic, tmp_path,
     (root / rel / "entities.json").unlink()
     status, _ = cli(types.SimpleNamespace(directory=root / rel), "--steps=1")
     err = capsys.readouterr().err
-    assert status == 1
+    assert status == 2
     assert str(root / rel / "entities.json") in err and "python -m data_prep.entities" in err
     status, _ = cli(synthetic, "--bogus=1")
     assert status == 2

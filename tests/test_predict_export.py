@@ -215,6 +215,12 @@ def test_report_of_the_run_in_a_browser(trained, tmp_path):
     import test_report_html as page
 
     dataset, _, workdir, _ = trained
+    # The line that ends a run names this report's command (the test split is its default).
+    from changecap_jax import main as entry
+
+    assert entry.closing_line(workdir) == (
+        f"done: metrics {workdir}/metrics, captions {workdir}/captions, checkpoints "
+        f"{workdir}/checkpoints; HTML report: python -m changecap_jax.report --workdir={workdir}")
     out = report.build_report(workdir, "test", out=tmp_path / "report.html")
     html = out.read_text()
     root = page.parse(html)

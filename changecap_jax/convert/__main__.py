@@ -38,12 +38,11 @@ rows are reordered from the authors' dict.json to the built dataset's vocabulary
     --print_table                       print the key table (torch key -> Flax path) and exit
 
 Any problem (unreadable file, other model, missing / unexpected / mis-shaped key) exits with
-status 1 and a message naming the key and both shapes. See :mod:`changecap_jax.convert.converter`.
+status 2 and a one-line message naming the key and both shapes (its traceback with --verbose).
+See :mod:`changecap_jax.convert.converter`.
 """
 
 from __future__ import annotations
-
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -67,32 +66,29 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from changecap_jax.convert import converter, mapping
-    from changecap_jax.convert.errors import ConversionError
 
+    # A ConversionError or a missing file ends the command with its message (changecap_jax.cli).
     config = FLAGS.config
-    try:
-        if FLAGS.print_table:
-            spec = mapping.get_spec(config.model.name)
-            snapshot = spec.read_snapshot(FLAGS.torch_checkpoint, allow_pickle=FLAGS.allow_pickle)
-            dataset, why = converter.open_dataset(config)
-            sizes = converter.checkpoint_sizes(config, spec, snapshot, dataset, why,
-                                               FLAGS.dict_json)
-            print(mapping.format_table(spec.table(config.model, sizes)))
-            return
-        if not FLAGS.workdir:
-            raise app.UsageError("--workdir is required")
-        report = converter.convert_checkpoint(
-            config, FLAGS.torch_checkpoint, FLAGS.workdir, extra_params=FLAGS.extra_params,
-            missing=FLAGS.missing, step=FLAGS.step, allow_pickle=FLAGS.allow_pickle,
-            dict_json=FLAGS.dict_json)
-    except (ConversionError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    if FLAGS.print_table:
+        spec = mapping.get_spec(config.model.name)
+        snapshot = spec.read_snapshot(FLAGS.torch_checkpoint, allow_pickle=FLAGS.allow_pickle)
+        dataset, why = converter.open_dataset(config)
+        sizes = converter.checkpoint_sizes(config, spec, snapshot, dataset, why,
+                                           FLAGS.dict_json)
+        print(mapping.format_table(spec.table(config.model, sizes)))
+        return
+    if not FLAGS.workdir:
+        raise app.UsageError("--workdir is required")
+    report = converter.convert_checkpoint(
+        config, FLAGS.torch_checkpoint, FLAGS.workdir, extra_params=FLAGS.extra_params,
+        missing=FLAGS.missing, step=FLAGS.step, allow_pickle=FLAGS.allow_pickle,
+        dict_json=FLAGS.dict_json)
     print(report.summary())
 
 
 if __name__ == "__main__":
-    from changecap_jax import compile_cache
+    from changecap_jax import cli, compile_cache
 
     compile_cache.enable()
     flags.mark_flags_as_required(["config", "torch_checkpoint"])
-    app.run(main)
+    cli.run(main)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from changecap_jax.errors import UserError
 
-class ConversionError(RuntimeError):
+
+class ConversionError(UserError, RuntimeError):
     """A checkpoint that cannot be converted for the given config."""
 
 

@@ -27,10 +27,15 @@ import tensorflow_datasets as tfds
 from changecap_jax.data import entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
+from changecap_jax.errors import UserError
 
 
-class DatasetError(RuntimeError):
+class DatasetError(UserError, RuntimeError):
     """A dataset that is missing, corrupt or does not match what the config expects."""
+
+
+class DatasetOptionError(DatasetError, ValueError):
+    """A variant or build option (``dataset.variant``, ``dataset.options``) the dataset lacks."""
 
 
 @dataclasses.dataclass
@@ -102,15 +107,18 @@ def default_data_dir() -> Path:
 
 
 def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any]):
-    config = make_config(
-        variant,
-        seed=int(options.get("seed", 0)),
-        num_train=int(options.get("num_train", 3000)),
-        num_val=int(options.get("num_val", 300)),
-        num_test=int(options.get("num_test", 600)),
-        feature_shape=tuple(options.get("feature_shape", (8, 8, 64))),
-        feature_dtype=str(options.get("feature_dtype", "float16")),
-    )
+    try:
+        config = make_config(
+            variant,
+            seed=int(options.get("seed", 0)),
+            num_train=int(options.get("num_train", 3000)),
+            num_val=int(options.get("num_val", 300)),
+            num_test=int(options.get("num_test", 600)),
+            feature_shape=tuple(options.get("feature_shape", (8, 8, 64))),
+            feature_dtype=str(options.get("feature_dtype", "float16")),
+        )
+    except (TypeError, ValueError) as e:  # the config's dataset.variant or dataset.options
+        raise DatasetOptionError(f"dataset 'synthetic' (variant {variant!r}): {e}") from e
     # TFDS wants the registered configs by name and custom ones as objects.
     named = config.name if config.name in SyntheticChange.builder_configs else config
     return SyntheticChange(data_dir=str(data_dir), config=named, file_format="array_record")

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import read_json
 
 RETRIEVAL_DIR = "entity_retrieval"
@@ -37,7 +38,7 @@ DIFFERENCES = ("signed", "absolute")  # Eq. 1 as printed, or its absolute value
 PAIR_FIELDS = ("entities", "entity_ids")  # per-orientation record fields this module adds
 
 
-class EntityInputError(ValueError):
+class EntityInputError(UserError, ValueError):
     """Retrieval files that are missing or do not fit the dataset."""
 
 

@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from changecap_jax.errors import UserError
+
 CAPTION, CLASSIFY = "caption", "classify"
 TASKS = (CAPTION, CLASSIFY)
 
 
-class ExtraSourceError(ValueError):
+class ExtraSourceError(UserError, ValueError):
     """A cross-task source directory that cannot be read (names the file and the key)."""
 
 

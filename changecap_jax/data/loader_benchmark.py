@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "/tmp/changecap_loader_bench", "Where the datasets are built.")
@@ -192,4 +192,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from changecap_jax import cli
+
+    cli.run(main)

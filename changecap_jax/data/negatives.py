@@ -18,11 +18,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from changecap_jax.errors import UserError
+
 NUM_NEGATIVES = 6  # 2 retrieve, 2 replace, 2 confuse (paper A.2)
 FILE_SUFFIX = "_neg_tfidf6.json"  # official: f"{split}_{neg_name}.json", neg_name "neg_tfidf6"
 
 
-class NegativesFileError(ValueError):
+class NegativesFileError(UserError, ValueError):
     """A hard-negatives file that is missing keys or has values of the wrong type or shape."""
 
 

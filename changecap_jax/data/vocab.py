@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from changecap_jax.errors import UserError
 from changecap_jax.jsonio import read_json, write_json_atomic
 
 NULL, UNK, START, END = "<NULL>", "<UNK>", "<START>", "<END>"
@@ -42,7 +43,7 @@ _KEEP = (";", ",")
 _REMOVE = ("?", ".")
 
 
-class CaptionError(ValueError):
+class CaptionError(UserError, ValueError):
     """A caption that cannot be tokenised or encoded (empty, unknown word, too long)."""
 
 
