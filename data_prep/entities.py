@@ -46,7 +46,7 @@ def main(argv: Sequence[str]) -> None:
 
     from absl import app, flags
 
-    from changecap_jax.data.datasets import DatasetError
+    from changecap_jax.data import building, datasets
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -57,10 +57,14 @@ def main(argv: Sequence[str]) -> None:
                    "num_val": FLAGS.num_val, "num_test": FLAGS.num_test,
                    "feature_shape": tuple(int(v) for v in FLAGS.feature_shape)}
     try:
-        path, extraction = lib.extract_dataset_entities(
-            FLAGS.dataset, FLAGS.data_dir, FLAGS.variant, options, backend=FLAGS.backend,
-            spacy_model=FLAGS.spacy_model, output=FLAGS.output)
-    except (DatasetError, RuntimeError, ValueError) as e:
+        dataset = datasets.prepare(FLAGS.dataset, FLAGS.data_dir, FLAGS.variant, options,
+                                   build_if_missing=False)
+        # As every writer into a dataset's directory (first-use preparation too).
+        with building.dataset_lock(dataset.directory, building.name_of(dataset.directory)):
+            path, extraction = lib.save_dataset_entities(
+                dataset, backend=FLAGS.backend, spacy_model=FLAGS.spacy_model,
+                output=FLAGS.output)
+    except (datasets.DatasetError, building.LockTimeout, RuntimeError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(f"change entities of the train change captions of {FLAGS.dataset} "
           f"({extraction.source['config']})")

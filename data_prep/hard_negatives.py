@@ -33,7 +33,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def main(argv: list[str]) -> None:
     from absl import app, flags
 
-    from changecap_jax.data import datasets
+    from changecap_jax.data import building, datasets
 
     flags_ = flags.FLAGS
     if len(argv) > 1:
@@ -45,16 +45,19 @@ def main(argv: list[str]) -> None:
     try:
         prepared = datasets.prepare(flags_.dataset, flags_.data_dir, flags_.variant or "",
                                     options, build_if_missing=False)
-        result = lib.generate(prepared, seed=flags_.seed, splits=flags_.splits, pos=flags_.pos,
-                          spacy_model=flags_.spacy_model, min_df=flags_.min_df, progress=True)
-    except (datasets.DatasetError, lib.HardNegativeError) as e:
+        out_dir = Path(flags_.out) if flags_.out else prepared.directory
+        # As every writer into a dataset's directory (first-use preparation too).
+        with building.dataset_lock(prepared.directory, building.name_of(prepared.directory)):
+            result = lib.generate(prepared, seed=flags_.seed, splits=flags_.splits,
+                                  pos=flags_.pos, spacy_model=flags_.spacy_model,
+                                  min_df=flags_.min_df, progress=True)
+            print(lib.format_summary(result.summary))
+            for split, records in result.records.items():
+                path = lib.negatives_path(out_dir, split)
+                lib.write_negatives(records, path)
+                print(f"wrote {len(records)} pairs x {lib.NUM_NEGATIVES} negatives to {path}")
+    except (datasets.DatasetError, building.LockTimeout, lib.HardNegativeError) as e:
         sys.exit(f"error: {e}")
-    out_dir = Path(flags_.out) if flags_.out else prepared.directory
-    print(lib.format_summary(result.summary))
-    for split, records in result.records.items():
-        path = lib.negatives_path(out_dir, split)
-        lib.write_negatives(records, path)
-        print(f"wrote {len(records)} pairs x {lib.NUM_NEGATIVES} negatives to {path}")
 
 
 def _define_flags() -> None:

@@ -62,7 +62,7 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
 
     from absl import flags
 
-    from changecap_jax.data import datasets
+    from changecap_jax.data import building, datasets
 
     fv = flags.FlagValues()  # own flags: main() can run twice in one process (tests)
     _define_flags(fv)
@@ -87,13 +87,16 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
     try:
         dataset = datasets.prepare(fv.dataset, fv.data_dir, fv.variant, options,
                                    build_if_missing=False)
-        meta = lib.run_retrieval(
-            dataset, backbone=fv.backbone, clip_path=fv.clip_path, k=fv.k,
-            difference=fv.difference, splits=fv.splits or None, overwrite=fv.overwrite,
-            contrastive=lib.ContrastiveSettings(steps=fv.steps, seed=fv.model_seed),
-            clip_options={"batch_size": fv.batch_size,
-                          "stop_after_batches": fv.stop_after_batches})
-    except (datasets.DatasetError, OSError, ValueError, ImportError) as e:
+        # As every writer into a dataset's directory (first-use preparation too).
+        with building.dataset_lock(dataset.directory, building.name_of(dataset.directory)):
+            meta = lib.run_retrieval(
+                dataset, backbone=fv.backbone, clip_path=fv.clip_path, k=fv.k,
+                difference=fv.difference, splits=fv.splits or None, overwrite=fv.overwrite,
+                contrastive=lib.ContrastiveSettings(steps=fv.steps, seed=fv.model_seed),
+                clip_options={"batch_size": fv.batch_size,
+                              "stop_after_batches": fv.stop_after_batches})
+    except (datasets.DatasetError, building.LockTimeout, OSError, ValueError,
+            ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -34,6 +34,12 @@ class LockTimeout(RuntimeError):
     """Another process held a dataset's lock for longer than the wait allowed."""
 
 
+def name_of(directory: str | os.PathLike) -> str:
+    """``<tfds name>/<config> <version>`` of a dataset directory, for logs and errors."""
+    directory = Path(directory)
+    return f"{directory.parent.parent.name}/{directory.parent.name} {directory.name}"
+
+
 def lock_path(directory: str | os.PathLike) -> Path:
     """The lock file of a dataset directory: ``<version>.lock`` beside it."""
     directory = Path(directory)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from changecap_jax.data import building, entity_inputs, schema
+from changecap_jax.data import auto_prep, building, entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 
@@ -91,7 +91,9 @@ def attach_conditioning(dataset: PreparedDataset,
 
 def with_entities(dataset: PreparedDataset, count: int) -> PreparedDataset:
     """The dataset with its first ``count`` retrieved entities per pair joined to each record
-    (``data/entity_inputs.py``)."""
+    (``data/entity_inputs.py``); the synthetic set makes them on first use."""
+    if dataset.auto_prepare and not auto_prep.retrieval_exists(dataset.directory):
+        auto_prep.make_entity_inputs(dataset, count)
     inputs = entity_inputs.load(dataset.directory)
     if not 1 <= count <= inputs.k:
         raise entity_inputs.EntityInputError(
