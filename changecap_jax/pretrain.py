@@ -111,7 +111,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
 from changecap_jax import console, export, parallel, precision, train
-from changecap_jax.data import extra_source, negatives, pipeline
+from changecap_jax.data import auto_prep, extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.errors import UserError
 from changecap_jax.metric_writer import MetricWriter
@@ -657,6 +657,8 @@ class PretrainTrainer(train.Trainer):
     def load_negatives(self, split: str) -> dict:
         """(image_id, semantic) -> negatives of ``split``, from the dataset's directory."""
         path = self.negatives_path(split)
+        if not path.exists() and self.dataset.auto_prepare:  # the synthetic set, first use
+            auto_prep.make_hard_negatives(self.dataset)
         if not path.exists():
             raise PretrainError(
                 f"{path} does not exist: the fda task reads each pair's hard negatives from "

@@ -2,7 +2,8 @@
 
     python -m changecap_jax.main --config=configs/cheers.py[:PRESET[/ABLATION]]
 
-CHEERS reads k retrieved change entities per pair. Prepare them once per dataset:
+CHEERS reads k retrieved change entities per pair. The synthetic presets make them on first
+use (``changecap_jax/data/auto_prep.py``); for a real dataset prepare them once:
 
     python -m data_prep.entities --dataset=NAME --data_dir=DIR     # entities.json
     python -m data_prep.retrieval --dataset=NAME --data_dir=DIR    # entity_retrieval/

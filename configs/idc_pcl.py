@@ -8,8 +8,8 @@ Pretraining presets (``pretrain/DATASET``; ``pretrain`` alone is the synthetic s
 changecap_jax/pretrain.py (§5.3, §5.6): each step draws one task, MLM : MVCL : FDA = 8 : 1 : 2,
 from (seed, step); Adam with the noam schedule; every task's loss over the global batch. FDA
 reads 6 hard negatives per pair from ``<split>_neg_tfidf6.json`` in the dataset's directory:
-make them first with ``python -m data_prep.hard_negatives --dataset=NAME [--data_dir=DIR]``
-(the synthetic presets' 4x4 grid: add ``--option=feature_shape=4,4,64``).
+the synthetic presets make them on first use; for a real dataset make them first with
+``python -m data_prep.hard_negatives --dataset=NAME [--data_dir=DIR]``.
   pretrain/synthetic          the fine-tuning CPU model below (4x4 grid, CPU_EMBEDDING, hidden
   pretrain/synthetic_extreme  128, 4 heads, FFN 256, 2 blocks, no dropout), batch 64 examples
                               (128 pairs), FDA batch 16 pairs, lr 5e-4 with noam warm-up 100,

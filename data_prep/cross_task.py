@@ -528,8 +528,8 @@ def caption_negatives(source: Source, vocab: Vocabulary, *, seed: int = 0,
     single-image caption describes no difference) made by ``data_prep.hard_negatives`` (TF-IDF
     fitted on the train captions; records in its file format, ``img2`` = ``cub_semantic_<id>``).
     Captions the tokeniser rejects are left out of the references."""
+    from changecap_jax.data import hard_negatives as hn
     from changecap_jax.data.vocab import CaptionError
-    from data_prep import hard_negatives as hn
 
     pairs: dict[str, list] = {}
     for split in sorted({e.split for e in source.examples}):
@@ -626,8 +626,8 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
                      **texts.get(split, {}))
             counts[split] = len(chosen)
             if split in negative_records:
+                from changecap_jax.data.hard_negatives import write_negatives
                 from changecap_jax.data.negatives import negatives_path
-                from data_prep.hard_negatives import write_negatives
 
                 write_negatives(negative_records[split], negatives_path(tmp, split))
         meta = {"source": source.name, "task": source.task, "splits": counts,
@@ -712,7 +712,7 @@ def _vocab_tokenizer(vocab_path: str) -> str:
 def main(argv: Sequence[str]) -> None:
     from absl import app, flags
 
-    from data_prep.hard_negatives import HardNegativeError
+    from changecap_jax.data.hard_negatives import HardNegativeError
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")

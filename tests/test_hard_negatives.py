@@ -1,4 +1,5 @@
-"""IDC-PCL FDA hard negatives (data_prep/hard_negatives.py, data_prep/word_classes.py)."""
+"""IDC-PCL FDA hard negatives (changecap_jax/data/hard_negatives.py, data/word_classes.py; the
+command data_prep/hard_negatives.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from changecap_jax.data import word_classes as wc
 from changecap_jax.data.synthetic import scenes
 from changecap_jax.data.vocab import tokenize
 from data_prep import hard_negatives as hn
-from data_prep import word_classes as wc
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -372,14 +372,17 @@ def test_errors_name_the_problem(data_dir, tmp_path):
     config.pretrain.task_ratio = (8, 0, 2)
     with pytest.raises(pretrain.PretrainError, match="positive weight"):
         pretrain.PretrainTrainer(config, tmp_path)
-    # A missing negatives file: named, with the command that makes it.
+    # A missing negatives file (without first-use preparation, as for the real datasets):
+    # named, with the command that makes it.
     dataset = datasets.prepare("synthetic", data_dir, "moderate", SMALL)
     path = negatives.negatives_path(dataset.directory, "val")
     aside = path.with_suffix(".aside")
     path.rename(aside)
+    config = tiny_pretrain(data_dir)
+    config.dataset.build_if_missing = False
     try:
         with pytest.raises(pretrain.PretrainError) as err:
-            pretrain.PretrainTrainer(tiny_pretrain(data_dir), tmp_path)
+            pretrain.PretrainTrainer(config, tmp_path)
     finally:
         aside.rename(path)
     message = str(err.value)

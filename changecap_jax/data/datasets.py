@@ -3,7 +3,9 @@
 A dataset is named in the config (``dataset.name``) and stored by TFDS (ArrayRecord) under
 ``dataset.data_dir`` (default: ``$CHANGECAP_DATA_DIR``, else ``$XDG_CACHE_HOME/changecap_jax``,
 else ``~/.cache/changecap_jax``) as ``<data_dir>/<name>/<variant>/<version>/``. The synthetic
-dataset builds itself the first time a config asks for it; the real datasets
+dataset builds itself the first time a config asks for it (one process at a time:
+``data/building.py``), and so do the per-model files made from it (``data/auto_prep.py``); the
+real datasets
 (:data:`REAL_DATASETS`) are built once from their raw downloads with
 ``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
 directory (no builder code, and so no torch, is needed to read them). Their variant is the
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from changecap_jax.data import entity_inputs, schema
+from changecap_jax.data import auto_prep, building, entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
@@ -50,6 +53,9 @@ class PreparedDataset:
     # Retrieved change entities joined to every record (``with_entities``), or None.
     entities: entity_inputs.EntityInputs | None = None
     entity_count: int = 0
+    # The per-model files a model needs are made on first use (``data/auto_prep.py``): the
+    # self-building synthetic set, unless the config turned building off.
+    auto_prepare: bool = False
 
     def split(self, split: str) -> Any:
         """A random-access data source over one split (``len`` and ``[i]``)."""
@@ -90,7 +96,9 @@ def attach_conditioning(dataset: PreparedDataset,
 
 def with_entities(dataset: PreparedDataset, count: int) -> PreparedDataset:
     """The dataset with its first ``count`` retrieved entities per pair joined to each record
-    (``data/entity_inputs.py``)."""
+    (``data/entity_inputs.py``); the synthetic set makes them on first use."""
+    if dataset.auto_prepare and not auto_prep.retrieval_exists(dataset.directory):
+        auto_prep.make_entity_inputs(dataset, count)
     inputs = entity_inputs.load(dataset.directory)
     if not 1 <= count <= inputs.k:
         raise entity_inputs.EntityInputError(
@@ -188,8 +196,11 @@ def prepare(
     options: Mapping[str, Any] | None = None,
     *,
     build_if_missing: bool = True,
+    wait_s: float = building.WAIT_S,
 ) -> PreparedDataset:
-    """Finds (or, for self-building datasets, builds) a dataset and reads its metadata."""
+    """Finds (or, for self-building datasets, builds) a dataset and reads its metadata.
+
+    ``wait_s``: how long to wait for another process building the same dataset."""
     explicit_dir = data_dir not in (None, "")
     root = Path(data_dir) if explicit_dir else default_data_dir()
     if name in REAL_DATASETS:
@@ -213,18 +224,50 @@ def prepare(
                 f"expected {directory}; build it with python -m data_prep.build {name} "
                 f"--data_dir={root}"
             )
-        logging.info("Building dataset %s into %s (first use)", name, directory)
-        build(builder)
-    return _read_prepared(name, builder, directory)
+        try:
+            build(builder, wait_s=wait_s)
+        except building.LockTimeout as e:
+            raise DatasetError(str(e)) from e
+        # A fresh builder reads what was written (maybe by another process, while we waited).
+        builder = factory(root, variant or "moderate", options or {})
+    prepared = _read_prepared(name, builder, directory)
+    prepared.auto_prepare = can_build
+    return prepared
 
 
-def build(builder: tfds.core.DatasetBuilder) -> None:
-    """Builds a dataset; TFDS renames its temporary directory only on success."""
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(
-            compute_stats=tfds.download.ComputeStatsMode.SKIP
-        )
-    )
+def describe(builder: tfds.core.DatasetBuilder) -> str:
+    """``<tfds name>/<config> <version>``, how logs and errors name a dataset build."""
+    return f"{builder.name}/{builder.builder_config.name} {builder.version}"
+
+
+def build(builder: tfds.core.DatasetBuilder, *, wait_s: float = building.WAIT_S) -> bool:
+    """Builds a dataset unless it is built; True when this call built it.
+
+    Holds the dataset's lock (``data/building.py``): a concurrent build of the same dataset
+    waits for it and then finds the dataset built. Leftovers of killed builds are removed
+    first. TFDS writes into a temporary directory and renames it only on success; Ctrl-C and
+    SIGTERM remove it (the synthetic builder stops its render workers before)."""
+    directory = Path(builder.data_dir)
+    what = describe(builder)
+    with building.dataset_lock(directory, what, wait_s):
+        if (directory / "dataset_info.json").exists():
+            logging.info("%s is already built in %s", what, directory)
+            return False
+        building.remove_leftovers(building.incomplete_dirs(directory), what)
+        detail = builder.build_detail() if hasattr(builder, "build_detail") else ""
+        logging.info("building %s%s in %s", what, f" ({detail})" if detail else "", directory)
+        start = time.monotonic()
+        try:
+            with building.sigterm_raises():
+                builder.download_and_prepare(
+                    download_config=tfds.download.DownloadConfig(
+                        compute_stats=tfds.download.ComputeStatsMode.SKIP))
+        except BaseException:
+            # TFDS's own removal fails when a file appears in the folder meanwhile.
+            building.remove_leftovers(building.incomplete_dirs(directory), what)
+            raise
+        logging.info("built %s in %.0f s", what, time.monotonic() - start)
+    return True
 
 
 def _read_prepared(name: str, builder: Any, directory: Path) -> PreparedDataset:

@@ -48,11 +48,15 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import writer as writer_lib
+from tensorflow_datasets.proto import tf_example_pb2
 
 from changecap_jax.data.vocab import CaptionError
 from changecap_jax.jsonio import read_json, write_json_atomic
@@ -208,8 +212,40 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def canonical_record(serialized: bytes) -> bytes:
+    """A serialized ``tf.train.Example`` re-serialized with its feature map in key order.
+
+    protobuf writes map entries in hash-table order, and its hash seed differs between
+    processes: the same record gave different bytes in every build (equal once decoded)."""
+    return tf_example_pb2.Example.FromString(serialized).SerializeToString(deterministic=True)
+
+
+class DeterministicExampleWriter(writer_lib.ExampleWriter):
+    """TFDS's example writer, fed :func:`canonical_record` bytes: the same examples give
+    byte-identical record files in every process."""
+
+    def write(self, path: Any, examples: Iterable[tuple[Any, bytes]]) -> Any:
+        return super().write(path, ((key, canonical_record(ex)) for key, ex in examples))
+
+
 class RecordBuilder(tfds.core.GeneratorBasedBuilder):
-    """Base of the trunk's builders: also writes ``files.json`` before the atomic rename."""
+    """Base of the trunk's builders: deterministic record bytes, ``files.json`` written before
+    the atomic rename, and no TFDS download banner (``datasets.build`` logs its own line)."""
+
+    def build_detail(self) -> str:
+        """What the build reads or makes, for the build's log line (e.g. "62 examples")."""
+        return ""
+
+    def _example_writer(self) -> writer_lib.ExampleWriter:
+        return DeterministicExampleWriter(self.info.file_format)
+
+    def _log_download_bytes(self) -> None:
+        # TFDS prints "Downloading and preparing dataset Unknown size ...": nothing is
+        # downloaded and the size is known to nobody; datasets.build says what it builds.
+        pass
+
+    def _log_download_done(self) -> None:
+        pass  # "downloaded and prepared": datasets.build logs "built ... in N s"
 
     def _download_and_prepare(self, dl_manager, download_config):  # noqa: ANN001
         super()._download_and_prepare(dl_manager, download_config)

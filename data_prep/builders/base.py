@@ -215,6 +215,10 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
 
     # -- TFDS -----------------------------------------------------------------------------
 
+    def build_detail(self) -> str:
+        source = f"features {self.features_dir}" if self.features_dir else "ResNet-101 extraction"
+        return f"from {self.raw_dir}, {source}"
+
     @property
     def feature_shape(self) -> tuple[int, int, int]:
         c, h, w = FEATURE_SHAPES[self.builder_config.layer]

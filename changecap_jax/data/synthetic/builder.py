@@ -13,7 +13,8 @@ Beside the records, in the dataset directory, the builder writes:
   look at them and the ResNet-101 path of ``data_prep`` can re-extract features from them.
 
 Everything is written inside TFDS's temporary ``incomplete.*`` directory and renamed into place
-only when the whole build succeeded, so an interrupted build leaves nothing behind.
+only when the whole build succeeded: Ctrl-C or an error removes it (the render workers are
+stopped first), and the next build removes that of a killed one (``data/building.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,26 @@ def image_path(raw_dir: str | os.PathLike, key: str, example_id: int) -> Path:
     return Path(raw_dir) / sub / f"{prefix}_{example_id:06d}.png"
 
 
+def _ignore_sigint() -> None:
+    # Ctrl-C reaches the whole process group: the main process stops the pool; workers
+    # that died of it on their own would be restarted by the pool and print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _render_pool(workers: int | None) -> Iterator[Any]:
+    """A pool of render processes (None: one per core, at most 8), or None for 0 workers;
+    terminated (and joined) on leaving, by an error or Ctrl-C too."""
+    if workers is None:
+        workers = max(1, min(os.cpu_count() or 1, 8))
+    if not workers:
+        yield None
+        return
+    # 'spawn': the caller may already run JAX threads, which must not be forked.
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
+        yield pool
+
+
 def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str, Any]:
     """Worker: renders the three images of one example, saves them, extracts features."""
     config, example_id, raw_dir = job
@@ -235,6 +257,21 @@ class SyntheticChange(schema.RecordBuilder):
         self._examples, self._vocab, self._raw_dir = examples, vocab, raw_dir
         return {name: self._generate_examples(ids, name) for name, ids in splits.items()}
 
+    def build_detail(self) -> str:
+        cfg: SyntheticChangeConfig = self.builder_config
+        return f"{cfg.num_train + cfg.num_val + cfg.num_test} examples"
+
+    def _download_and_prepare(self, dl_manager, download_config):  # noqa: ANN001
+        # The render workers live as long as the whole build: an interruption ends them
+        # before TFDS removes its temporary directory (living on in an unclosed generator,
+        # they wrote images into it during the removal, which then failed).
+        with _render_pool(self.num_workers) as pool:
+            self._pool = pool
+            try:
+                super()._download_and_prepare(dl_manager, download_config)
+            finally:
+                self._pool = None
+
     def _generate_examples(
         self, ids: list[int], split: str
     ) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -242,33 +279,26 @@ class SyntheticChange(schema.RecordBuilder):
         # Unknown words are an error in train captions; in val/test they become <UNK>.
         unknown: dict[str, int] | None = None if split == "train" else {}
         jobs = [(cfg, i, str(self._raw_dir)) for i in ids]
-        workers = self.num_workers
-        if workers is None:
-            workers = max(1, min(os.cpu_count() or 1, 8))
-        with contextlib.ExitStack() as stack:
-            if workers:
-                # 'spawn': the caller may already run JAX threads, which must not be forked.
-                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
-                results = pool.imap(_render_and_extract, jobs, chunksize=16)
-            else:
-                results = map(_render_and_extract, jobs)
-            for i, rendered in zip(ids, results, strict=True):
-                ex = self._examples[i]
-                where = f"synthetic example {i} ({self._raw_dir})"
-                record = {
-                    "id": i,
-                    "image_id": f"{i:06d}.png",
-                    **{k: rendered[k] for k in IMAGE_DIRS},
-                    "change_captions": np.array(ex.change_captions, dtype=object),
-                    "change_caption_ids": self._encode(ex.change_captions, where, unknown),
-                    "no_change_captions": np.array(ex.no_change_captions, dtype=object),
-                    "no_change_caption_ids": self._encode(ex.no_change_captions, where, unknown),
-                    "change_type": scenes.CHANGE_TYPES.index(ex.change_type),
-                    "bbox_before": rendered["bbox_before"],
-                    "bbox_after": rendered["bbox_after"],
-                }
-                schema.check_record(record, cfg.feature_shape, cfg.max_caption_len, where)
-                yield i, record
+        pool = getattr(self, "_pool", None)
+        results = (pool.imap(_render_and_extract, jobs, chunksize=16) if pool is not None
+                   else map(_render_and_extract, jobs))
+        for i, rendered in zip(ids, results, strict=True):
+            ex = self._examples[i]
+            where = f"synthetic example {i} ({self._raw_dir})"
+            record = {
+                "id": i,
+                "image_id": f"{i:06d}.png",
+                **{k: rendered[k] for k in IMAGE_DIRS},
+                "change_captions": np.array(ex.change_captions, dtype=object),
+                "change_caption_ids": self._encode(ex.change_captions, where, unknown),
+                "no_change_captions": np.array(ex.no_change_captions, dtype=object),
+                "no_change_caption_ids": self._encode(ex.no_change_captions, where, unknown),
+                "change_type": scenes.CHANGE_TYPES.index(ex.change_type),
+                "bbox_before": rendered["bbox_before"],
+                "bbox_after": rendered["bbox_after"],
+            }
+            schema.check_record(record, cfg.feature_shape, cfg.max_caption_len, where)
+            yield i, record
         if unknown:
             log_unknown_words(unknown, f"synthetic {split} split")
 
