@@ -109,7 +109,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import export, parallel, precision, train
+from changecap_jax import checkpoints, export, parallel, precision, train
 from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.metric_writer import MetricWriter
@@ -704,7 +704,7 @@ class PretrainTrainer(train.Trainer):
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         # The state (what fine-tuning's init_from reads) and one data iterator per task.
         extra = tuple(f"data_{s}" for s in self.extra_streams())
-        return train.make_checkpoint_manager(
+        return checkpoints.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
             ("state", *(f"data_{t}" for t in self.tasks), *extra))
 

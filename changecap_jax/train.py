@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import decoding, evaluation, export, models, parallel, precision
+from changecap_jax import checkpoints, decoding, evaluation, export, models, parallel, precision
 from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
@@ -263,34 +263,6 @@ def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
-                            item_names: tuple[str, ...] = ("state", "data"),
-                            ) -> ocp.CheckpointManager:
-    """orbax manager of (train state, data iterator state) items.
-
-    Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
-    every save is atomic (written to a temporary directory, renamed when complete) and
-    multi-host safe.
-    """
-    from orbax.checkpoint import checkpoint_managers as cm
-
-    policy = cm.AnyPreservationPolicy([
-        cm.LatestN(keep),
-        # Ascending sort, the last n kept: the highest CIDEr survives.
-        cm.BestN(get_metric_fn=lambda m: m["val_CIDEr"], reverse=False, n=1,
-                 keep_checkpoints_without_metrics=False),
-    ])
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=True)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options,
-                                 item_names=item_names)
-
-
-# ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -383,7 +355,8 @@ class Trainer:
             read=pipeline.read_ahead(self.config.get("data"), training=False))
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
-        return make_checkpoint_manager(self.workdir / "checkpoints", self.config.keep_checkpoints)
+        return checkpoints.make_checkpoint_manager(self.workdir / "checkpoints",
+                                                   self.config.keep_checkpoints)
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
                 step: int | None = None) -> TrainState:
@@ -634,7 +607,7 @@ class EarlyStopping:
         return self.patience > 0
 
     def _manager(self) -> ocp.CheckpointManager:
-        return make_checkpoint_manager(self.directory / "checkpoints", 1)
+        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1)
 
     def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
         """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
@@ -674,7 +647,7 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     from pretraining, §5.4): every parameter whose path exists there with the same shape is
     copied, except paths containing one of ``exclude`` (the official code skips "pooler");
     the others keep their fresh initialisation. A shared path with another shape is an error."""
-    manager = make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
+    manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
     step = manager.latest_step()
     if step is None:
         raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
