@@ -4,8 +4,10 @@
                                          --config.FIELD=VALUE, e.g. --config.batch_size=32)
     --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
-                                         score the latest checkpoint on the final splits;
-                                         a config with a ``pretrain`` block pretrains
+                                         score the latest checkpoint on the final splits
+                                         (both pass damaged checkpoints with a warning,
+                                         changecap_jax/checkpoints.py); a config with a
+                                         ``pretrain`` block pretrains
                                          (changecap_jax/pretrain.py, train mode only)
     --model=DIR                          with --mode=eval: score an exported model
                                          (python -m changecap_jax.export) instead; --config
@@ -25,7 +27,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Output directory (default: workdir/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do.")
-flags.DEFINE_integer("checkpoint_step", None, "For --mode=eval: step to restore (latest).")
+flags.DEFINE_integer("checkpoint_step", None,
+                     "For --mode=eval: step to restore (latest intact); never passed if damaged.")
 flags.DEFINE_string("model", None, "For --mode=eval: an exported model directory.")
 flags.DEFINE_bool("multihost", False, "Initialise jax.distributed (multi-host runs).")
 flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port.")
@@ -37,7 +40,7 @@ flags.DEFINE_string("cpu_collectives", None, "CPU collectives for multi-process 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from changecap_jax import parallel, train
+    from changecap_jax import checkpoints, parallel, train
 
     # orbax logs every checkpoint step at INFO; keep its warnings only.
     logging.getLogger("absl").addFilter(
@@ -60,19 +63,22 @@ def main(argv: list[str]) -> None:
         name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
         workdir = os.path.join("workdir", name)
     logging.info("workdir: %s\nconfig:\n%s", workdir, config)
-    if "pretrain" in config:
-        # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
-        # it validates while training and has no captions to score.
-        if FLAGS.mode != "train":
-            raise app.UsageError("a pretraining config (with a pretrain block) has no "
-                                 "--mode=eval: its val losses are written while it trains")
-        from changecap_jax import pretrain
+    try:
+        if "pretrain" in config:
+            # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
+            # it validates while training and has no captions to score.
+            if FLAGS.mode != "train":
+                raise app.UsageError("a pretraining config (with a pretrain block) has no "
+                                     "--mode=eval: its val losses are written while it trains")
+            from changecap_jax import pretrain
 
-        pretrain.PretrainTrainer(config, workdir).train()
-    elif FLAGS.mode == "train":
-        train.Trainer(config, workdir).train()
-    else:
-        train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+            pretrain.PretrainTrainer(config, workdir).train()
+        elif FLAGS.mode == "train":
+            train.Trainer(config, workdir).train()
+        else:
+            train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+    except checkpoints.CheckpointError as e:  # one clear line, not TensorStore's trace
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -715,14 +715,19 @@ class PretrainTrainer(train.Trainer):
 
     def restore_all(self, manager: ocp.CheckpointManager, state: train.TrainState,
                     iterators: dict[str, Any]) -> train.TrainState:
-        step = manager.latest_step()
-        args = {"state": ocp.args.StandardRestore(state)}
-        for task, iterator in iterators.items():
-            if (Path(manager.directory) / str(step) / f"data_{task}").exists():
-                args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
-            else:  # a task enabled since that checkpoint was written
-                logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
-        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        """The latest intact step's state and task streams (``checkpoints.restore``: damaged
+        newer steps are renamed aside, or orbax would skip this run's saves of them)."""
+
+        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
+            args = {"state": ocp.args.StandardRestore(state)}
+            for task, iterator in iterators.items():
+                if f"data_{task}" in items:
+                    args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
+                else:  # a task enabled since that checkpoint was written
+                    logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
+            return args
+
+        step, restored = checkpoints.restore(manager, args_for, move_damaged_aside=True)
         logging.info("restored pretraining checkpoint of step %d", step)
         return restored["state"]
 

@@ -359,16 +359,23 @@ class Trainer:
                                                    self.config.keep_checkpoints)
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
-                step: int | None = None) -> TrainState:
-        step = manager.latest_step() if step is None else step
-        args = {"state": ocp.args.StandardRestore(state)}
-        if iterator is not None:
-            if (Path(manager.directory) / str(step) / "data").exists():
-                args["data"] = grain.checkpoint.CheckpointRestore(iterator)
-            else:  # e.g. converted from PyTorch without the dataset at hand
-                logging.info("checkpoint %d has no data iterator state: the data order "
-                             "starts fresh", step)
-        restored = manager.restore(step, args=ocp.args.Composite(**args))
+                step: int | None = None, *, order: list[int] | None = None,
+                move_damaged_aside: bool = False) -> TrainState:
+        """The state (and ``iterator``'s position) of ``step``, or of the latest intact step
+        (of ``order``), passing damaged ones (``checkpoints.restore``)."""
+
+        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
+            args = {"state": ocp.args.StandardRestore(state)}
+            if iterator is not None:
+                if "data" in items:
+                    args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+                else:  # e.g. converted from PyTorch without the dataset at hand
+                    logging.info("checkpoint %d has no data iterator state: the data order "
+                                 "starts fresh", step)
+            return args
+
+        step, restored = checkpoints.restore(manager, args_for, step=step, order=order,
+                                             move_damaged_aside=move_damaged_aside)
         logging.info("restored checkpoint of step %d from %s", step, manager.directory)
         return restored["state"]
 
@@ -383,7 +390,8 @@ class Trainer:
         state = self.init_state()
         iterator = iter(self.train_loader())
         if manager.latest_step() is not None:
-            state = self.restore(manager, state, iterator)
+            # Damaged newer steps are renamed aside, or orbax would skip this run's saves.
+            state = self.restore(manager, state, iterator, move_damaged_aside=True)
             writer.truncate_after(int(state.step))
         elif config.get("init_from", ""):
             state = state.replace(params=init_params_from(
@@ -633,11 +641,10 @@ class EarlyStopping:
 
     def restore(self, like: TrainState) -> TrainState:
         manager = self._manager()
-        step = manager.latest_step()
-        if step is None:
+        if manager.latest_step() is None:
             raise FileNotFoundError(f"no best checkpoint in {self.directory}")
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(like)))
+        _, restored = checkpoints.restore(
+            manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
         return restored["state"]
 
 
@@ -648,10 +655,10 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     copied, except paths containing one of ``exclude`` (the official code skips "pooler");
     the others keep their fresh initialisation. A shared path with another shape is an error."""
     manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
-    step = manager.latest_step()
-    if step is None:
+    if manager.latest_step() is None:
         raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
-    source = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    step, source = checkpoints.restore(
+        manager, lambda step, items: {"state": ocp.args.StandardRestore()})
     source_params = source["state"]["params"]
     flat_src = flax.traverse_util.flatten_dict(source_params, sep="/")
     flat = flax.traverse_util.flatten_dict(params, sep="/")
