@@ -18,7 +18,8 @@ parameter's presence and shape, naming what is wrong.
     --workdir=DIR       a training (or convert) workdir with checkpoints/ and config.json
     --out=DIR           the export directory (must not exist, or be empty)
     --step=N            the checkpoint to export (default: the best by val CIDEr if the
-                        workdir kept one, else the latest)
+                        workdir kept one, else the latest; a damaged one is passed with a
+                        warning, a damaged --step is an error)
     --config=FILE       only for workdirs without config.json (written by the trainer and
                         the converter since this feature landed)
     --weights=PATH      ResNet-101 weights to record for a resnet101 extractor (``predict``
@@ -196,14 +197,17 @@ def _metrics_at(workdir: Path, step: int) -> dict[str, Any]:
     return metrics
 
 
-def _pick_step(manager: Any, workdir: Path) -> int:
-    """The kept checkpoint with the best val CIDEr (metrics/val_<step>.json), else the latest."""
-    scored = []
+def _preferred_steps(manager: Any, workdir: Path) -> list[int]:
+    """The kept checkpoints, best val CIDEr (metrics/val_<step>.json) first, then the
+    unscored ones latest first: the order in which export passes damaged checkpoints."""
+    scored, unscored = [], []
     for step in manager.all_steps():
         path = workdir / "metrics" / f"val_{step}.json"
         if path.exists():
             scored.append((float(read_json(path, "metrics file")["CIDEr"]), step))
-    return int(max(scored)[1] if scored else manager.latest_step())
+        else:
+            unscored.append(step)
+    return [int(s) for _, s in sorted(scored, reverse=True)] + sorted(unscored, reverse=True)
 
 
 def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
@@ -211,7 +215,7 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
                  weights: str | None = None) -> Path:
     """Writes the export directory ``out`` from a workdir's checkpoint (see the module
     docstring); atomic: a temporary sibling directory renamed at the end."""
-    from changecap_jax import train
+    from changecap_jax import checkpoints, train
 
     workdir, out = Path(workdir), Path(out)
     if out.exists() and any(out.iterdir()):
@@ -222,11 +226,15 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
     manager = trainer.checkpoint_manager()
     if manager.latest_step() is None:
         raise ExportError(f"no checkpoint in {workdir / 'checkpoints'}")
-    step = _pick_step(manager, workdir) if step is None else step
-    if step not in manager.all_steps():
+    if step is not None and step not in manager.all_steps():
         raise ExportError(f"no checkpoint of step {step} in {workdir / 'checkpoints'}; "
                           f"there are {sorted(manager.all_steps())}")
-    state = trainer.restore(manager, trainer.init_state(), step=step)
+    order = _preferred_steps(manager, workdir) if step is None else None
+    try:
+        state = trainer.restore(manager, trainer.init_state(), step=step, order=order)
+    except checkpoints.CheckpointError as e:
+        raise ExportError(str(e)) from None
+    step = int(state.step)  # the step a checkpoint holds is the step it was saved at
     params = jax.device_get(state.params)
     meta = trainer.dataset.meta
     description = {

@@ -4,8 +4,10 @@
                                          --config.FIELD=VALUE, e.g. --config.batch_size=32)
     --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
-                                         score the latest checkpoint on the final splits;
-                                         a config with a ``pretrain`` block pretrains
+                                         score the latest checkpoint on the final splits
+                                         (both pass damaged checkpoints with a warning,
+                                         changecap_jax/checkpoints.py); a config with a
+                                         ``pretrain`` block pretrains
                                          (changecap_jax/pretrain.py, train mode only)
     --model=DIR                          with --mode=eval: score an exported model
                                          (python -m changecap_jax.export) instead; --config
@@ -35,7 +37,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Output directory (default: workdir/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do.")
-flags.DEFINE_integer("checkpoint_step", None, "For --mode=eval: step to restore (latest).")
+flags.DEFINE_integer("checkpoint_step", None,
+                     "For --mode=eval: step to restore (latest intact); never passed if damaged.")
 flags.DEFINE_string("model", None, "For --mode=eval: an exported model directory.")
 flags.DEFINE_bool("multihost", False, "Initialise jax.distributed (multi-host runs).")
 flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port.")

@@ -110,7 +110,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import PartitionSpec as P
 
-from changecap_jax import console, export, parallel, precision, train
+from changecap_jax import checkpoints, console, export, parallel, precision, train
 from changecap_jax.data import auto_prep, extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.errors import UserError
@@ -708,7 +708,7 @@ class PretrainTrainer(train.Trainer):
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         # The state (what fine-tuning's init_from reads) and one data iterator per task.
         extra = tuple(f"data_{s}" for s in self.extra_streams())
-        return train.make_checkpoint_manager(
+        return checkpoints.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
             ("state", *(f"data_{t}" for t in self.tasks), *extra))
 
@@ -719,14 +719,19 @@ class PretrainTrainer(train.Trainer):
 
     def restore_all(self, manager: ocp.CheckpointManager, state: train.TrainState,
                     iterators: dict[str, Any]) -> train.TrainState:
-        step = manager.latest_step()
-        args = {"state": ocp.args.StandardRestore(state)}
-        for task, iterator in iterators.items():
-            if (Path(manager.directory) / str(step) / f"data_{task}").exists():
-                args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
-            else:  # a task enabled since that checkpoint was written
-                logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
-        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        """The latest intact step's state and task streams (``checkpoints.restore``: damaged
+        newer steps are renamed aside, or orbax would skip this run's saves of them)."""
+
+        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
+            args = {"state": ocp.args.StandardRestore(state)}
+            for task, iterator in iterators.items():
+                if f"data_{task}" in items:
+                    args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
+                else:  # a task enabled since that checkpoint was written
+                    logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
+            return args
+
+        step, restored = checkpoints.restore(manager, args_for, move_damaged_aside=True)
         logging.info("restored pretraining checkpoint of step %d", step)
         return restored["state"]
 

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from changecap_jax import evaluation, explain, export, train
+from changecap_jax import checkpoints, evaluation, explain, export, train
 from changecap_jax.data import datasets
 from changecap_jax.data.vocab import START_ID
 from changecap_jax.errors import UserError
@@ -150,8 +150,17 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
     trainer = train.Trainer(config, workdir)
     manager = trainer.checkpoint_manager()
     images: list[dict[str, bytes]] = [{} for _ in entries]
+    params = None
     if step in manager.all_steps():
-        params = jax.device_get(trainer.restore(manager, trainer.init_state(), step=step).params)
+        try:
+            params = jax.device_get(
+                trainer.restore(manager, trainer.init_state(), step=step).params)
+        except checkpoints.CheckpointError as e:  # the captions are scored: report them
+            logging.warning("%s; the gallery has no heatmaps", e)
+    else:
+        logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
+                        manager.directory)
+    if params is not None:
         source = trainer.dataset.split(split)
         by_id = {}
         for i in range(len(source)):
@@ -167,9 +176,6 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
             pairs.append((by_id[base], "after_distractor" if distractor else "after_semantic",
                           e["caption"]))
         images = heatmap_images(trainer, params, pairs, config.eval_batch_size)
-    else:
-        logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
-                        manager.directory)
 
     # The inputs a model read beside the images (e.g. retrieved entities), as evaluation
     # wrote them into the captions file.

@@ -31,7 +31,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from changecap_jax import console, decoding, evaluation, export, models, parallel, precision
+from changecap_jax import (
+    checkpoints,
+    console,
+    decoding,
+    evaluation,
+    export,
+    models,
+    parallel,
+    precision,
+)
 from changecap_jax.data import datasets, entity_inputs, pipeline
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
@@ -265,34 +274,6 @@ def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
-                            item_names: tuple[str, ...] = ("state", "data"),
-                            ) -> ocp.CheckpointManager:
-    """orbax manager of (train state, data iterator state) items.
-
-    Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
-    every save is atomic (written to a temporary directory, renamed when complete) and
-    multi-host safe.
-    """
-    from orbax.checkpoint import checkpoint_managers as cm
-
-    policy = cm.AnyPreservationPolicy([
-        cm.LatestN(keep),
-        # Ascending sort, the last n kept: the highest CIDEr survives.
-        cm.BestN(get_metric_fn=lambda m: m["val_CIDEr"], reverse=False, n=1,
-                 keep_checkpoints_without_metrics=False),
-    ])
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=True)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options,
-                                 item_names=item_names)
-
-
-# ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -385,19 +366,27 @@ class Trainer:
             read=pipeline.read_ahead(self.config.get("data"), training=False))
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
-        return make_checkpoint_manager(self.workdir / "checkpoints", self.config.keep_checkpoints)
+        return checkpoints.make_checkpoint_manager(self.workdir / "checkpoints",
+                                                   self.config.keep_checkpoints)
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
-                step: int | None = None) -> TrainState:
-        step = manager.latest_step() if step is None else step
-        args = {"state": ocp.args.StandardRestore(state)}
-        if iterator is not None:
-            if (Path(manager.directory) / str(step) / "data").exists():
-                args["data"] = grain.checkpoint.CheckpointRestore(iterator)
-            else:  # e.g. converted from PyTorch without the dataset at hand
-                logging.info("checkpoint %d has no data iterator state: the data order "
-                             "starts fresh", step)
-        restored = manager.restore(step, args=ocp.args.Composite(**args))
+                step: int | None = None, *, order: list[int] | None = None,
+                move_damaged_aside: bool = False) -> TrainState:
+        """The state (and ``iterator``'s position) of ``step``, or of the latest intact step
+        (of ``order``), passing damaged ones (``checkpoints.restore``)."""
+
+        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
+            args = {"state": ocp.args.StandardRestore(state)}
+            if iterator is not None:
+                if "data" in items:
+                    args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+                else:  # e.g. converted from PyTorch without the dataset at hand
+                    logging.info("checkpoint %d has no data iterator state: the data order "
+                                 "starts fresh", step)
+            return args
+
+        step, restored = checkpoints.restore(manager, args_for, step=step, order=order,
+                                             move_damaged_aside=move_damaged_aside)
         logging.info("restored checkpoint of step %d from %s", step, manager.directory)
         return restored["state"]
 
@@ -412,7 +401,8 @@ class Trainer:
         state = self.init_state()
         iterator = iter(self.train_loader())
         if manager.latest_step() is not None:
-            state = self.restore(manager, state, iterator)
+            # Damaged newer steps are renamed aside, or orbax would skip this run's saves.
+            state = self.restore(manager, state, iterator, move_damaged_aside=True)
             writer.truncate_after(int(state.step))
         elif config.get("init_from", ""):
             state = state.replace(params=init_params_from(
@@ -640,7 +630,7 @@ class EarlyStopping:
         return self.patience > 0
 
     def _manager(self) -> ocp.CheckpointManager:
-        return make_checkpoint_manager(self.directory / "checkpoints", 1)
+        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1)
 
     def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
         """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
@@ -666,11 +656,10 @@ class EarlyStopping:
 
     def restore(self, like: TrainState) -> TrainState:
         manager = self._manager()
-        step = manager.latest_step()
-        if step is None:
+        if manager.latest_step() is None:
             raise FileNotFoundError(f"no best checkpoint in {self.directory}")
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(like)))
+        _, restored = checkpoints.restore(
+            manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
         return restored["state"]
 
 
@@ -680,11 +669,11 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     from pretraining, §5.4): every parameter whose path exists there with the same shape is
     copied, except paths containing one of ``exclude`` (the official code skips "pooler");
     the others keep their fresh initialisation. A shared path with another shape is an error."""
-    manager = make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
-    step = manager.latest_step()
-    if step is None:
+    manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
+    if manager.latest_step() is None:
         raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
-    source = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    step, source = checkpoints.restore(
+        manager, lambda step, items: {"state": ocp.args.StandardRestore()})
     source_params = source["state"]["params"]
     flat_src = flax.traverse_util.flatten_dict(source_params, sep="/")
     flat = flax.traverse_util.flatten_dict(params, sep="/")

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import SMALL, tiny_run
 
-from changecap_jax import models, parallel, pretrain, train
+from changecap_jax import checkpoints, models, parallel, pretrain, train
 from changecap_jax.data import datasets, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples
 from changecap_jax.models import idc_pcl
@@ -294,7 +294,7 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
     shapes = jax.eval_shape(lambda: fine_model.init(jax.random.key(0), batch, train=False))
     fresh = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), shapes["params"])
     params = train.init_params_from(fresh, tmp_path / "full", ("pooler",))
-    pretrained = train.make_checkpoint_manager(tmp_path / "full" / "checkpoints", 1).restore(
+    pretrained = checkpoints.make_checkpoint_manager(tmp_path / "full" / "checkpoints", 1).restore(
         STEPS, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
     assert "feat_regress" not in params
     np.testing.assert_array_equal(params["word_embedding"]["embedding"],

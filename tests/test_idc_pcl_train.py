@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
-from changecap_jax import decoding, export, parallel, predict, train
+from changecap_jax import checkpoints, decoding, export, parallel, predict, train
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.models import idc_pcl
 from changecap_jax.models.base import IGNORE_INDEX
@@ -196,7 +196,7 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     second = train.Trainer(tiny_idc(data_dir, seed=99), tmp_path / "second")
     fresh = second.init_state().params
     copied = train.init_params_from(fresh, first, ("pooler",))
-    source = train.make_checkpoint_manager(first / "checkpoints", 1)
+    source = checkpoints.make_checkpoint_manager(first / "checkpoints", 1)
     last = source.restore(source.latest_step(), args=train.ocp.args.Composite(
         state=train.ocp.args.StandardRestore()))["state"]["params"]
     flat = lambda t: {jax.tree_util.keystr(p): np.asarray(v)  # noqa: E731

@@ -17,7 +17,7 @@ import optax
 import pytest
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_config
 
-from changecap_jax import parallel, train
+from changecap_jax import checkpoints, parallel, train
 from changecap_jax.data import datasets, pipeline
 
 
@@ -96,7 +96,7 @@ def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp
     config = tiny_config(str(data), num_train_steps=4, eval_every_steps=2, eval_splits=("val",))
     with pytest.raises(Exception):  # noqa: B017 - whatever the reader raises for the damage
         train.Trainer(config, tmp_path / "run").train()
-    manager = train.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
+    manager = checkpoints.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
     assert manager.all_steps() == [2]
 
 
@@ -253,7 +253,7 @@ def test_checkpoints_keep_latest_and_best(tmp_path):
     import grain
     import orbax.checkpoint as ocp
 
-    manager = train.make_checkpoint_manager(tmp_path / "ckpt", keep=1)
+    manager = checkpoints.make_checkpoint_manager(tmp_path / "ckpt", keep=1)
     loader = grain.DataLoader(
         data_source=list(range(10)), sampler=grain.samplers.IndexSampler(
             num_records=10, shuffle=True, seed=0, num_epochs=None))

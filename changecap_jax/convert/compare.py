@@ -105,13 +105,14 @@ def load_params(workdir: str | os.PathLike[str], step: int | None = None) -> dic
     target (no model or dataset needed)."""
     import orbax.checkpoint as ocp
 
+    from changecap_jax import checkpoints
+
     directory = Path(workdir).absolute() / "checkpoints"
     with ocp.CheckpointManager(directory, item_names=("state", "data")) as manager:
-        step = manager.latest_step() if step is None else step
-        if step is None:
+        if manager.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore()))
+        _, restored = checkpoints.restore(
+            manager, lambda step, items: {"state": ocp.args.StandardRestore()}, step=step)
     state = restored["state"]
     params = state["params"] if isinstance(state, Mapping) else state.params
     return jax.tree.map(jnp.asarray, params)

@@ -339,7 +339,7 @@ def convert_checkpoint(
       ConversionError (and its subclasses) for every problem with the inputs; the message
       names the file, the key and both shapes where there are any.
     """
-    from changecap_jax import train
+    from changecap_jax import checkpoints, train
     from changecap_jax.data import pipeline
 
     spec = mapping.get_spec(config.model.name)
@@ -378,7 +378,7 @@ def convert_checkpoint(
     import orbax.checkpoint as ocp
 
     directory = Path(workdir) / "checkpoints"
-    manager = train.make_checkpoint_manager(directory, config.keep_checkpoints)
+    manager = checkpoints.make_checkpoint_manager(directory, config.keep_checkpoints)
     try:
         if manager.all_steps():
             raise ConversionError(

@@ -1,0 +1,152 @@
+"""Damaged checkpoints (changecap_jax/checkpoints.py): eval, resume and export pass them with
+one warning line; a damaged step named explicitly, or no intact step at all, is a clear
+error. One 4-step run (checkpoints at 2 and 4) is shared; each test damages its own copy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import pytest
+from train_helpers import tiny_config
+
+from changecap_jax import checkpoints, export, train
+
+
+@pytest.fixture(scope="module")
+def run(small_synthetic, tmp_path_factory) -> dict:
+    data_dir = str(small_synthetic.directory.parents[2])
+    workdir = tmp_path_factory.mktemp("fallback") / "run"
+    trainer = train.Trainer(_config(data_dir), workdir)
+    fresh = trainer.init_state()
+    with pytest.MonkeyPatch.context() as patch:
+        _reuse_fresh_state(patch, fresh)
+        trainer.train()
+    return {"data_dir": data_dir, "workdir": workdir, "history": trainer.history,
+            "fresh": fresh, "train_step": trainer.train_step}
+
+
+def _reuse_fresh_state(patch: pytest.MonkeyPatch, fresh: train.TrainState) -> None:
+    """Every trainer starts from copies of one fresh state: ``init_state`` compiles the
+    model's initialisation anew at each call (seconds each), and only its shapes matter to a
+    restore. Copies, because the train step donates its input state."""
+    patch.setattr(train.Trainer, "init_state", lambda self: jax.tree.map(jnp.copy, fresh))
+
+
+def _config(data_dir: str, **overrides):
+    return tiny_config(data_dir, num_train_steps=4, checkpoint_every_steps=2, **overrides)
+
+
+def _copy(run: dict, tmp_path: Path) -> Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(run["workdir"], workdir)
+    return workdir
+
+
+def _truncate_arrays(workdir: Path, step: int) -> None:
+    """Cuts the array data files of the step's state in half (as a full disk would). All of
+    them: which files a restore reads depends on the device count (OCDBT merges them)."""
+    for path in (workdir / "checkpoints" / str(step) / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            os.truncate(path, path.stat().st_size // 2)
+
+
+def _damage_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "damaged" in r.getMessage()]
+
+
+def _steps(workdir: Path) -> list[int]:
+    return list(checkpoints.make_checkpoint_manager(workdir / "checkpoints", 3).all_steps())
+
+
+def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, monkeypatch):
+    workdir = _copy(run, tmp_path)
+    _truncate_arrays(workdir, 4)
+    _reuse_fresh_state(monkeypatch, run["fresh"])
+    scored = []
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(train.Trainer, "evaluate",  # the decoding is not what this tests
+                      lambda self, state, split, step, writer=None: scored.append(step) or {})
+        train.evaluate_checkpoint(_config(run["data_dir"], final_eval_splits=("val",)), workdir)
+    assert scored == [2]
+    (message,) = _damage_messages(caplog)
+    assert message.startswith(f"checkpoint 4 in {workdir / 'checkpoints'} is damaged (")
+    assert message.endswith("; falling back to step 2") and "\n" not in message
+    assert _steps(workdir) == [2, 4]  # eval leaves the workdir as it is
+
+    caplog.clear()
+    resumed = train.Trainer(_config(run["data_dir"]), workdir)
+    resumed.train_step = run["train_step"]  # the same update, compiled once for the module
+    with caplog.at_level(logging.WARNING):
+        resumed.train()
+    (message,) = _damage_messages(caplog)
+    assert "kept as 4.damaged" in message
+    # Steps 3 and 4 again, exactly as the uninterrupted run made them.
+    losses = [(step, m["loss"], m["loss/dirl"]) for step, m in resumed.history]
+    assert losses == [(step, m["loss"], m["loss/dirl"]) for step, m in run["history"][2:]]
+    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    # The new step 4 was saved beside the damaged one kept for inspection, and restores.
+    assert _steps(workdir) == [2, 4] and (workdir / "checkpoints" / "4.damaged").is_dir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        step, _ = checkpoints.restore(
+            checkpoints.make_checkpoint_manager(workdir / "checkpoints", 3),
+            lambda step, items: {"state": ocp.args.StandardRestore()})
+    assert step == 4 and not _damage_messages(caplog)
+
+
+def test_a_damaged_step_named_explicitly_is_an_error(run, tmp_path, monkeypatch):
+    workdir = _copy(run, tmp_path)
+    _truncate_arrays(workdir, 4)
+    _reuse_fresh_state(monkeypatch, run["fresh"])
+    config = _config(run["data_dir"], final_eval_splits=("val",))
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"^checkpoint 4 in .* is damaged \(.+\); intact steps: \[2\]$"):
+        train.evaluate_checkpoint(config, workdir, step=4)
+    manager = checkpoints.make_checkpoint_manager(workdir / "checkpoints", 3)
+    with pytest.raises(checkpoints.CheckpointError, match=r"no checkpoint of step 3 .*\[2, 4\]"):
+        checkpoints.restore(manager, lambda step, items: {}, step=3)
+    assert _steps(workdir) == [2, 4]
+
+
+def test_no_intact_step_is_an_error_naming_each(run, tmp_path, monkeypatch):
+    workdir = _copy(run, tmp_path)
+    _reuse_fresh_state(monkeypatch, run["fresh"])
+    _truncate_arrays(workdir, 4)
+    # Step 2's model state is whole, but its data iterator's state is not: damaged too.
+    (workdir / "checkpoints" / "2" / "data" / "process_0-of-1.json").write_text('{"format"')
+    with pytest.raises(checkpoints.CheckpointError) as error:
+        train.Trainer(_config(run["data_dir"]), workdir).train()
+    message = str(error.value)
+    assert message.startswith(f"no intact checkpoint in {workdir / 'checkpoints'}")
+    assert "step 4: unreadable arrays" in message and "step 2: data/process_0-of-1.json" in message
+    assert _steps(workdir) == [2, 4]  # nothing renamed when nothing could be restored
+
+
+def test_export_takes_the_next_preferred_step(run, tmp_path, caplog, monkeypatch):
+    workdir = _copy(run, tmp_path)
+    _reuse_fresh_state(monkeypatch, run["fresh"])
+    _truncate_arrays(workdir, 4)
+    with caplog.at_level(logging.WARNING):
+        out = export.export_model(workdir, tmp_path / "exported")
+    assert export.load_exported(out).step == 2
+    assert len(_damage_messages(caplog)) == 1
+
+
+def test_a_mismatch_is_not_taken_for_damage(tmp_path):
+    manager = checkpoints.make_checkpoint_manager(tmp_path, 3)
+    for step in (2, 4):
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"w": jnp.zeros((2,))})))
+    manager.wait_until_finished()
+    wrong = {"w": jnp.zeros((3,))}  # e.g. another model config
+    with pytest.raises(ValueError, match="not compatible with the stored shape"):
+        checkpoints.restore(manager, lambda step, items: {"state": ocp.args.StandardRestore(wrong)})
