@@ -9,7 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Test programs are tiny: LLVM's optimisation passes cost more compile time than they save in
+# run time (test_train.py: 485 s of its 753 s were backend compiles), so the tests compile at
+# -O0. The flags reach every subprocess a test starts with this environment.
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
