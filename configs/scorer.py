@@ -22,7 +22,7 @@ Presets:
   image_editing_request  paper text: weights 0.003 / 0.06, 2 layers, batch 16, lr 1e-4.
   birds_to_words         not in the paper: the Spot-the-Diff settings.
 
-Ablations of the paper (§4.5, supplementary §6.3), appended as ``PRESET/NAME`` (table:
+Ablations of the paper (paper §4.5, supplement §6.3), appended as ``PRESET/NAME`` (table:
 docs/ablations.md; each switches exactly the fields ABLATIONS names):
   scorer_cbr (default)   the full model.
   scorer, rr, rr_cbr     Tables 6-7 (10-12): without CBR; without L_sim and CBR (vanilla

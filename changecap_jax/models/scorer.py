@@ -18,7 +18,8 @@ Method
    only, the token-wise matching S = exp(logit_scale) * MTM(q, k) is formed over the global
    batch (:func:`changecap_jax.losses.matching_contrastive_loss`) for both directions: S1 with
    the before-queries against the after-keys, S2 with the roles swapped;
-   L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2).
+   L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2); the field
+   ``matching`` replaces it by a variant of the paper's Fig. 3 (docs/ablations.md).
 4. Difference representation (paper Eq. 7; §3.1 step 5): memory = ReLU(Dropout(Linear(
    cat(X1, X2)))), before first.
 5. Caption generation (paper Eq. 8; §3.2): :class:`~changecap_jax.models.decoder.Speaker`.
