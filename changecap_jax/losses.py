@@ -282,6 +282,96 @@ def token_matching_similarity(
     return jnp.moveaxis(s, 0, 1).reshape(bq, num_chunks * chunk_size)[:, :bk]
 
 
+# The matching variants of SCORER's Fig. 3 ablation (paper §4.5 "Ablation Study of MTM").
+MATCHINGS = ("official", "per_subspace", "max_pool", "mean_pool", "tokenwise_single_head")
+
+
+def subspace_matching_similarity(
+    q: Array,
+    k: Array,
+    num_heads: int,
+    *,
+    chunk_size: int = 8,
+    precision: jax.lax.PrecisionLike = None,
+    backward: str = "argmax",
+) -> Array:
+    """The paper's multi-head token-wise matching, one TM per head subspace, heads summed.
+
+    S[a, b] = sum_h TM(q_h[a], k_h[b]), q_h = q[..., h*d:(h+1)*d] with d = D / num_heads (the
+    head split of the attention, ``multi_head_attend``). Each head is
+    :func:`token_matching_similarity` of its d channels (the same ``chunk_size`` chunking and
+    backward pass), and ``jax.lax.map`` runs the heads one after another, so at most one
+    (Bq, chunk_size, N, M) block of similarities exists at a time, as in the official form.
+    """
+    _check_tokens(q, k)
+    d = q.shape[-1]
+    if num_heads < 1 or d % num_heads:
+        raise ValueError(f"the width {d} is not divisible into {num_heads} heads")
+    split = lambda x: jnp.moveaxis(x.reshape(*x.shape[:2], num_heads, d // num_heads), 2, 0)
+    per_head = jax.lax.map(
+        lambda qk: token_matching_similarity(qk[0], qk[1], chunk_size=chunk_size,
+                                             precision=precision, backward=backward),
+        (split(q), split(k)))
+    return jnp.sum(per_head, axis=0)
+
+
+def pooled_similarity(
+    q: Array, k: Array, pool: str, *, precision: jax.lax.PrecisionLike = None
+) -> Array:
+    """Global-feature similarity: S[a, b] = <pool_l q[a, l], pool_m k[b, m]>, pool = max or
+    mean over the tokens (channel-wise), a raw dot product as TM's."""
+    _check_tokens(q, k)
+    reduce = {"max": jnp.max, "mean": jnp.mean}[pool]
+    return jnp.einsum("ad,bd->ab", reduce(q, axis=1), reduce(k, axis=1), precision=precision)
+
+
+def matching_similarity(
+    q: Array,
+    k: Array,
+    *,
+    matching: str = "official",
+    num_heads: int = 1,
+    chunk_size: int = 8,
+    naive: bool = False,
+    precision: jax.lax.PrecisionLike = None,
+    backward: str = "argmax",
+) -> Array:
+    """(Bq, N, D) x (Bk, M, D) -> (Bq, Bk) similarity of one of SCORER's Fig. 3 variants.
+
+    With R[a, b, l, m] = <q[a, l], k[b, m]> and TM(q, k) = 1/2 ((1/N) sum_l max_m R
+    + (1/M) sum_m max_l R) (paper Eq. 2):
+
+    - ``"official"``: TM over all D channels; the official code sums the heads before the max
+      (S-Q2), so its "multi-head" matching is one full-width TM.
+    - ``"tokenwise_single_head"``: TM without the multi-head operation (paper Fig. 3's "TM"),
+      TM(q, k) over all D channels: the same function as ``"official"``.
+    - ``"per_subspace"``: the paper's MTM (Eq. 3), one TM per head subspace,
+      S = sum_h TM(q_h, k_h) (:func:`subspace_matching_similarity`). Eq. 3 concatenates the
+      per-head scores; summing them is our reading (with one head it is TM, and it is what the
+      official code would compute with the max taken per head).
+    - ``"max_pool"`` / ``"mean_pool"``: S = <pool_l q[a, l], pool_m k[b, m]>
+      (:func:`pooled_similarity`), the global features of paper Fig. 3.
+
+    ``num_heads`` is read by ``"per_subspace"`` only; ``naive`` (tests) holds the whole R for
+    the token-wise forms; ``chunk_size``, ``precision``, ``backward``: see
+    :func:`token_matching_similarity`.
+    """
+    if matching not in MATCHINGS:
+        raise ValueError(f"matching must be one of {MATCHINGS}, got {matching!r}")
+    if matching in ("max_pool", "mean_pool"):
+        return pooled_similarity(q, k, matching.removesuffix("_pool"), precision=precision)
+    if matching == "per_subspace":
+        if naive:
+            return subspace_matching_similarity(q, k, num_heads, chunk_size=k.shape[0],
+                                                precision=precision, backward=backward)
+        return subspace_matching_similarity(q, k, num_heads, chunk_size=chunk_size,
+                                            precision=precision, backward=backward)
+    if naive:
+        return token_matching_similarity_naive(q, k, precision=precision)
+    return token_matching_similarity(q, k, chunk_size=chunk_size, precision=precision,
+                                     backward=backward)
+
+
 def _gather_batch(x: Array, axis_name: AxisName) -> tuple[Array, Array | int]:
     """All rows of the global batch and the offset of this device's rows in it."""
     if axis_name is None:
@@ -299,6 +389,8 @@ def _matching_rows(
     naive: bool,
     precision: jax.lax.PrecisionLike,
     backward: str,
+    matching: str = "official",
+    num_heads: int = 1,
 ) -> tuple[Array, Array | int]:
     """This device's rows of S = exp(logit_scale) * MTM(q, k_all) (k gathered over the batch)
     and the offset of those rows in the global batch."""
@@ -307,11 +399,9 @@ def _matching_rows(
         raise ValueError(f"q and k must hold the same rows, got {q.shape[0]} and {k.shape[0]}")
     q, k = _float(q), _float(k)
     k_all, offset = _gather_batch(k, axis_name)
-    if naive:
-        sim = token_matching_similarity_naive(q, k_all, precision=precision)
-    else:
-        sim = token_matching_similarity(q, k_all, chunk_size=chunk_size, precision=precision,
-                                        backward=backward)
+    sim = matching_similarity(q, k_all, matching=matching, num_heads=num_heads,
+                              chunk_size=chunk_size, naive=naive, precision=precision,
+                              backward=backward)
     return jnp.exp(_float(jnp.asarray(logit_scale))) * sim, offset
 
 
@@ -334,6 +424,8 @@ def matching_contrastive_loss(
     naive: bool = False,
     precision: jax.lax.PrecisionLike = None,
     backward: str = "argmax",
+    matching: str = "official",
+    num_heads: int = 1,
 ) -> Array:
     """Row InfoNCE over S = exp(logit_scale) * MTM(q, k) on the GLOBAL batch (§3.4 ``CrossEn``).
 
@@ -346,12 +438,14 @@ def matching_contrastive_loss(
       axis_name: mesh axis the batch is split over, or None.
       chunk_size, precision, backward: see :func:`token_matching_similarity`.
       naive: use :func:`token_matching_similarity_naive` (tests / measurement only).
+      matching, num_heads: the similarity in place of MTM (SCORER's Fig. 3 ablation), see
+        :func:`matching_similarity`; "official" is the official MTM.
 
     Returns mean over the global rows a of -log softmax_b(S[a, b])[a]. Each device computes only
     its rows of S (its own q against the gathered k) and the row losses are summed with psum.
     """
     logits, offset = _matching_rows(q, k, logit_scale, axis_name, chunk_size, naive, precision,
-                                    backward)
+                                    backward, matching, num_heads)
     return _diagonal_nll_mean(logits, offset, axis_name)
 
 

@@ -1,6 +1,6 @@
 """SCORER + CBR (Tu et al., ICCV 2023); docs/official/scorer.md §3.
 
-    python -m changecap_jax.main --config=configs/scorer.py[:PRESET]
+    python -m changecap_jax.main --config=configs/scorer.py[:PRESET[/ABLATION]]
 
 Presets:
   synthetic (default)    the built-in synthetic dataset with a CPU-sized model (hidden 128,
@@ -22,6 +22,17 @@ Presets:
   image_editing_request  paper text: weights 0.003 / 0.06, 2 layers, batch 16, lr 1e-4.
   birds_to_words         not in the paper: the Spot-the-Diff settings.
 
+Ablations of the paper (paper §4.5, supplement §6.3), appended as ``PRESET/NAME`` (table:
+docs/ablations.md; each switches exactly the fields ABLATIONS names):
+  scorer_cbr (default)   the full model.
+  scorer, rr, rr_cbr     Tables 6-7 (10-12): without CBR; without L_sim and CBR (vanilla
+                         representation reconstruction); without L_sim. Subtraction is its own
+                         model: configs/subtraction.py.
+  mtm_per_subspace, tm, max_pool, mean_pool
+                         Fig. 3: model.matching (changecap_jax.losses.matching_similarity).
+  heads{1,2,4,8,16}      Fig. 4: model.encoder_heads (the SCORER layers' heads).
+  layers{1,2,3,4}        Fig. 5: model.encoder_layers.
+
 Layer numbers: the paper (Fig. 5 text) sets "2, 1, 3, and 2 on four datasets", in the order of
 its Table 8 (CLEVR-Change, CLEVR-DC, Spot-the-Diff, IER); "the layer number is the deepest on
 Spot-the-Diff" confirms that order. Decoder: 8 heads, 2 layers on all four (paper §4.3).
@@ -38,6 +49,8 @@ Switches (faithful values are the defaults):
                          only the remaining losses, and optim.frozen must not name "cbr" when
                          use_cbr is False.
   model.match_chunk_size    batch columns of the token-wise matching per step (memory only).
+  model.matching         "official" (S-Q2); the Fig. 3 variants are presets (above).
+  model.encoder_heads    heads of the SCORER layers (num_heads: the decoder's and CBR's).
   decode.sample          False (greedy, test.py); the official in-training validation samples
                          (S-Q9): --config.decode.sample=True reproduces that.
 """
@@ -66,7 +79,48 @@ def _paper_model(
         "use_cbr": True,
         "cbr_mean_by_length": False,
         "match_chunk_size": 8,
+        "matching": "official",
+        "encoder_heads": 8,
     })
+
+
+DROP = "<dropped>"  # an ABLATIONS value: the key is removed from its dict
+
+# Ablation -> the dotted config fields it sets, and nothing else (tests/test_scorer_ablations.py).
+# Dropping a loss also drops its weight; without CBR nothing is left to freeze.
+_NO_CBR = {"model.use_cbr": False, "loss_weights.cbr": DROP, "optim.frozen": ()}
+_NO_SIM = {"model.use_sim": False, "loss_weights.sim": DROP}
+ABLATIONS: dict[str, dict[str, object]] = {
+    "scorer_cbr": {},  # Tables 6-7 "SCORER+CBR"
+    "scorer": dict(_NO_CBR),  # "SCORER"
+    "rr": {**_NO_SIM, **_NO_CBR},  # "RR": vanilla representation reconstruction
+    "rr_cbr": dict(_NO_SIM),  # "RR+CBR"
+    # Fig. 3 (the default "official" matching is the reference of the others)
+    "mtm_per_subspace": {"model.matching": "per_subspace"},
+    "tm": {"model.matching": "tokenwise_single_head"},
+    "max_pool": {"model.matching": "max_pool"},
+    "mean_pool": {"model.matching": "mean_pool"},
+    # Fig. 4 / Fig. 5: the figures' x values are not in the paper's text; these sweeps hold the
+    # values the paper picks (8 heads; 2, 1, 3, 2 layers) and their neighbours.
+    **{f"heads{n}": {"model.encoder_heads": n} for n in (1, 2, 4, 8, 16)},
+    **{f"layers{n}": {"model.encoder_layers": n} for n in (1, 2, 3, 4)},
+}
+
+
+def apply_ablation(config: ml_collections.ConfigDict, name: str) -> None:
+    """Sets the fields of ``ABLATIONS[name]`` in ``config`` (in place)."""
+    if name not in ABLATIONS:
+        raise ValueError(f"unknown ablation {name!r} for configs/scorer.py; choose one of "
+                         f"{list(ABLATIONS)}")
+    for path, value in ABLATIONS[name].items():
+        *parents, leaf = path.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        if value == DROP:
+            del node[leaf]
+        else:
+            node[leaf] = value
 
 
 # dataset -> (encoder layers, loss weights (sim, cbr), batch, lr, iterations, decode length)
@@ -82,12 +136,13 @@ PAPER_PRESETS = {
 
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    preset = preset or "synthetic"
+    preset, _, ablation = (preset or "synthetic").partition("/")
     if preset in ("synthetic", "synthetic_extreme"):
         config.dataset = common.synthetic_dataset(
             "extreme" if preset == "synthetic_extreme" else "moderate")
         config.model = _paper_model("both", True, 2)
-        config.model.update(hidden_dim=128, num_heads=4, word_dim=64, dropout_rate=0.0)
+        config.model.update(hidden_dim=128, num_heads=4, encoder_heads=4, word_dim=64,
+                            dropout_rate=0.0)
         common.cpu_training(config)
         config.loss_weights = {"sim": 0.1, "cbr": 0.001}
     elif preset in PAPER_PRESETS:
@@ -108,4 +163,5 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config.optim.frozen = ("cbr",)  # S-Q1: the official optimiser never updates CBR
     # core.embed has padding_idx=0: torch zeroes row 0's gradient (its value is N(0, 0.02)).
     config.optim.zero_grad_rows = {"decoder/embed/embedding": 0}
+    apply_ablation(config, ablation or "scorer_cbr")
     return config

@@ -18,7 +18,8 @@ Method
    only, the token-wise matching S = exp(logit_scale) * MTM(q, k) is formed over the global
    batch (:func:`changecap_jax.losses.matching_contrastive_loss`) for both directions: S1 with
    the before-queries against the after-keys, S2 with the roles swapped;
-   L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2).
+   L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2); the field
+   ``matching`` replaces it by a variant of the paper's Fig. 3 (docs/ablations.md).
 4. Difference representation (paper Eq. 7; §3.1 step 5): memory = ReLU(Dropout(Linear(
    cat(X1, X2)))), before first.
 5. Caption generation (paper Eq. 8; §3.2): :class:`~changecap_jax.models.decoder.Speaker`.
@@ -391,6 +392,13 @@ class SCORERCBR(nn.Module):
     (and ``optim.frozen`` must not name "cbr" when there is no CBR).
     ``match_chunk_size``: columns of the batch-wide matching per step (memory vs speed only).
     ``cbr_mean_by_length``: fix of S-Q8 (official: False).
+    ``matching``: L_sim's similarity, the paper's Fig. 3 ablation (:data:`losses.MATCHINGS`,
+    equations in :func:`changecap_jax.losses.matching_similarity`); "official" (S-Q2) is the
+    official code's. CBR's matching stays the official one: Fig. 3 ablates the cross-view
+    matching of view-invariant representation learning.
+    ``encoder_heads``: heads of the SCORER layers (paper Fig. 4 sweeps "the head number of MTM
+    and MHCA"; the decoder keeps ``num_heads``, paper §4.3, and so does CBR's MHSA); None =
+    ``num_heads``. Under "official" matching the heads change only the MHCA.
     """
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
@@ -411,13 +419,23 @@ class SCORERCBR(nn.Module):
     use_cbr: bool = True
     cbr_mean_by_length: bool = False
     match_chunk_size: int = 8
+    matching: str = "official"
+    encoder_heads: int | None = None
+
+    @property
+    def scorer_heads(self) -> int:
+        """Heads of the SCORER layers (MHCA and, per subspace, MTM); None = ``num_heads``."""
+        return self.num_heads if self.encoder_heads is None else self.encoder_heads
 
     def setup(self) -> None:
         if self.pairs not in PAIRS:
             raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        if self.matching not in losses.MATCHINGS:
+            raise ValueError(f"matching must be one of {losses.MATCHINGS}, got "
+                             f"{self.matching!r}")
         self.encoder = ChangeDetector(
             hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
+            num_heads=self.scorer_heads,
             num_layers=self.encoder_layers,
             dropout_rate=self.dropout_rate,
             layer_norm_eps=self.layer_norm_eps,
@@ -449,7 +467,8 @@ class SCORERCBR(nn.Module):
         check_batch(batch, keys, type(self).__name__)
         before = self._features(batch["before"])
         match_loss = lambda m: losses.matching_contrastive_loss(
-            m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size)
+            m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size,
+            matching=self.matching, num_heads=self.scorer_heads)
         logits, targets, sim, cbr = {}, {}, [], []
         for stream in self.streams:
             after_key, caption_key = STREAMS[stream]
