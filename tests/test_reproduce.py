@@ -1,0 +1,165 @@
+"""``python -m changecap_jax.reproduce`` (changecap_jax/reproduce/) against a stand-in for the
+official checkouts: tests/torch_reference laid out as tuyunbin/DIRL and tuyunbin/SCORER
+(torch_reference/official_layout.py), at tiny sizes. With CHANGECAP_OFFICIAL_DIRL /
+CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same comparison runs against them.
+
+Checked: the losses, learning rates, gradient norms and parameters of both sides agree step by
+step (DIRL from the built-in synthetic dataset through the input pipeline, with a decaying
+StepLR; SCORER+CBR and DIRL's CLEVR-DC variant on random inputs), the outputs are written, our
+``configs`` package survives the import of the official one, a learning rate changed on the
+official side shows in the table, and the command without a checkout exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import SMALL  # noqa: E402
+from torch_reference import official_layout  # noqa: E402
+
+from changecap_jax.reproduce import official, report, run  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_dim=16, num_heads=2, word_dim=8, encoder_layers=1, decoder_layers=1)
+RANDOM = dict(inputs="random", feature_shape=(4, 4, 6), vocab_size=12, caption_len=7)
+EXACT = 2e-5  # float32 on both sides: measured <= 4e-6 relative
+
+
+def tiny_config(model: str, preset: str):
+    from configs import dirl, scorer
+
+    config = {"dirl": dirl, "scorer": scorer}[model].get_config(preset)
+    config.model.update(TINY)
+    return config
+
+
+@pytest.fixture(scope="module")
+def checkouts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("official")
+    return {m: official_layout.write_checkout(root / m, m) for m in ("dirl", "scorer")}
+
+
+def check_agreement(result: run.Result, steps: int) -> None:
+    assert [r["step"] for r in result.rows] == list(range(1, steps + 1))
+    for name, value in result.summary["max_rel_diff"].items():
+        assert value <= EXACT, (name, value, result.rows)
+    assert result.summary["losses_within_tolerance"] and result.summary["lr_equal"]
+    for row in result.rows:
+        # Entries whose gradient is float noise (e.g. the DIRL MLP's first bias at a unit
+        # active on every token: the z-score makes it analytically zero) step by +-lr at
+        # random on each side; the rest agree closely (a 1.5x lr gives ~0.3 here).
+        assert row["param_rel_l2_diff"] < 0.05, row
+        assert row["param_max_abs_diff"] <= 2 * 2e-4 * row["step"], row
+        assert row["total_official"] > 0 and row["grad_norm_official"] > 0
+
+
+def test_dirl_dataset_inputs_and_step_lr(checkouts, small_synthetic, tmp_path):
+    """DIRL (CLEVR-Change recipe) on the built-in synthetic set, a StepLR decaying every
+    step on both sides; writes the table and the plot; our configs package stays ours."""
+    import configs
+
+    config = tiny_config("dirl", "clevr_change")
+    config.dataset = tiny_config("dirl", "synthetic").dataset
+    config.dataset.update(data_dir=str(small_synthetic.directory.parents[2]), options=SMALL)
+    config.optim.decay_every_epochs = 1
+    options = run.Options(checkouts["dirl"], steps=3, batch_size=2, steps_per_epoch=1,
+                          official_cfg=("train.optim.step_size=1",))
+    path_before = list(sys.path)
+    result = run.compare(config, options)
+    check_agreement(result, 3)
+    assert [r["lr_official"] for r in result.rows] == pytest.approx([2e-4, 2e-5, 2e-6])
+    assert result.settings["float_noise_params"]  # mlp_3 bias, key biases
+    assert sys.modules["configs"] is configs and sys.path == path_before
+    assert "config_transformer" not in dir(configs)
+
+    paths = report.write_outputs(tmp_path / "out", result)
+    with open(paths["csv"]) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 3 and {"caption_official", "dirl_ours", "ccr_rel_diff",
+                               "grad_norm_official", "param_max_abs_diff"} <= set(rows[0])
+    saved = json.loads(paths["json"].read_text())
+    assert saved["summary"]["losses_within_tolerance"] and saved["settings"]["model"] == "dirl"
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "every loss term agrees" in report.format_summary(result.summary)
+
+
+def test_scorer_random_inputs(checkouts):
+    """SCORER+CBR: sim and cbr terms, CBR frozen on both sides, logit scales clamped."""
+    config = tiny_config("scorer", "clevr_change")
+    config.model.encoder_layers = 2  # only the last layer's logit scale is trained and clamped
+    result = run.compare(config, run.Options(checkouts["scorer"], steps=3, batch_size=2,
+                                             **RANDOM))
+    check_agreement(result, 3)
+    assert {"sim_official", "cbr_ours", "caption_rel_diff"} <= set(result.rows[0])
+    assert not result.notes[1:], result.notes  # only "dropout off": the preset is official
+
+
+def test_a_different_learning_rate_shows(checkouts):
+    """The CLEVR-DC variant with the official lr changed: step 1 (same weights, same batch)
+    agrees, every later step differs, and the difference is named."""
+    options = run.Options(checkouts["dirl"], steps=3, batch_size=2,
+                          official_cfg=("train.optim.lr=0.0003",), **RANDOM)
+    result = run.compare(tiny_config("dirl", "clevr_dc"), options)
+    first, *later = result.rows
+    assert first["total_rel_diff"] <= EXACT and first["lr_official"] == pytest.approx(3e-4)
+    assert all(r["total_rel_diff"] > 1e-4 for r in later)
+    assert not result.summary["losses_within_tolerance"] and not result.summary["lr_equal"]
+    assert all(r["param_rel_l2_diff"] > 0.2 for r in result.rows), result.rows
+    assert result.summary["first_step_outside_tolerance"] == 2
+    terms = ("caption", "ccr", "dirl", "total")
+    assert run.summarize(result.rows, terms, 1e-4, atol=100.0)["losses_within_tolerance"]
+    assert any("learning_rate" in n and "0.0003" in n for n in result.notes), result.notes
+
+
+def test_config_the_official_code_cannot_build(checkouts):
+    config = tiny_config("scorer", "clevr_change")
+    config.model.use_cbr = False
+    with pytest.raises(run.ReproduceError, match="use_cbr"):
+        run.compare(config, run.Options(checkouts["scorer"], steps=1, batch_size=2, **RANDOM))
+    with pytest.raises(official.OfficialCheckoutError, match="lacks models/DIRL.py"):
+        run.compare(tiny_config("dirl", "clevr_change"),
+                    run.Options(checkouts["scorer"], steps=1, batch_size=2, **RANDOM))
+    with pytest.raises(official.OfficialCheckoutError, match="is not a folder"):
+        run.compare(tiny_config("dirl", "clevr_change"),
+                    run.Options(checkouts["dirl"] / "absent", steps=1, **RANDOM))
+
+
+def test_without_a_checkout_exits_2_with_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "changecap_jax.reproduce", "--config=configs/dirl.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--official_repo=PATH" in lines[0], lines
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("model", ["dirl", "scorer"])
+def test_real_official_checkout(model, tmp_path):
+    """Against a real checkout: DIRL at tiny sizes; SCORER at the widths its CBR hard-codes
+    (512 channels, 8 heads, 14x14 grid) with few feature channels."""
+    variable = f"CHANGECAP_OFFICIAL_{model.upper()}"
+    checkout = os.environ.get(variable)
+    if not checkout:
+        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
+                    f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
+    config = tiny_config(model, "clevr_change")
+    shape = (4, 4, 6)
+    if model == "scorer":
+        config.model.update(hidden_dim=512, num_heads=8, word_dim=300)
+        shape = (14, 14, 8)
+    options = run.Options(Path(checkout), steps=2, batch_size=2,
+                          **{**RANDOM, "feature_shape": shape})
+    check_agreement(run.compare(config, options), 2)

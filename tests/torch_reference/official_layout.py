@@ -1,0 +1,216 @@
+"""A stand-in for an official checkout (tuyunbin/DIRL, tuyunbin/SCORER) built on this folder's
+torch reference, for testing ``python -m changecap_jax.reproduce`` where the official code is
+absent (CI).
+
+:func:`write_checkout` lays out the files the command imports, as the official repositories
+name them: ``configs/config_transformer.py`` (a ``cfg`` with ``merge_cfg_from_file`` and
+``merge_cfg_from_list``), ``configs/dynamic/*.yaml`` (the training values of the shipped yamls),
+``utils/utils.py`` (``build_optimizer``, ``CrossEn``) and ``models/*.py``. Each file is one
+import from here: classes that take the official ``cfg`` and keep the official call signatures
+and return tuples (``DIRL(cfg)(x1, x2) -> (diff_bef, diff_aft, loss)``, ``CCR._forward``,
+``ChangeDetector``, ``Speaker._forward``, ``CBR``), over :mod:`.dirl` and :mod:`.scorer`.
+Like the official encoders, the grid position tables have 14 rows. Unlike the official CBR
+(512 channels, 8 heads, 14x14 grid), the stand-in takes the cfg's sizes, so tests run tiny.
+Nothing here is official code; the behaviour is the reference document's.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from . import dirl as tdirl
+from . import scorer as tscorer
+from .snapshot import AttrDict
+
+GRID_ROWS = 14  # nn.Embedding(14, att_dim / 2) in the official encoders
+
+
+def default_cfg() -> AttrDict:
+    """The keys of ``configs/config_transformer.py`` that the command reads or sets, with the
+    file's defaults (the yamls override the training ones)."""
+    def node(**kw: Any) -> AttrDict:
+        return AttrDict(kw)
+
+    return node(
+        model=node(
+            transformer_encoder=node(feat_dim=1026, att_dim=512, emb_dim=512, att_head=8,
+                                     att_layer=2),
+            transformer_decoder=node(word_dim=512, att_dim=512, att_head=8, att_layer=2,
+                                     vocab_size=76, seq_length=23)),
+        train=node(grad_clip=1.0, optim=node(type="sgdmom", lr=0.01, alpha=0.9, beta=0.999,
+                                             epsilon=1e-8, weight_decay=5e-4, step_size=15,
+                                             gamma=0.1)))
+
+
+def _merge(cfg: AttrDict, values: dict, where: str = "") -> None:
+    for key, value in values.items():
+        if key not in cfg:
+            raise KeyError(f"Non-existent config key: {where}{key}")
+        if isinstance(value, dict):
+            _merge(cfg[key], value, f"{where}{key}.")
+        else:
+            cfg[key] = type(cfg[key])(value)
+
+
+def merge_file(cfg: AttrDict, path: str) -> None:
+    with open(path) as f:
+        _merge(cfg, yaml.safe_load(f))
+
+
+def merge_list(cfg: AttrDict, items: list[Any]) -> None:
+    for key, value in zip(items[0::2], items[1::2], strict=True):
+        if isinstance(value, str):
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+        *parents, last = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node[part]
+        _merge(node, {last: value}, ".".join(parents) + ".")
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: AttrDict) -> torch.optim.Optimizer:
+    o = cfg.train.optim
+    if o.type != "adam":
+        raise ValueError(f"the stand-in builds Adam only, got {o.type!r}")
+    return torch.optim.Adam(params, o.lr, (o.alpha, o.beta), o.epsilon,
+                            weight_decay=o.weight_decay)
+
+
+class CrossEn(nn.Module):
+    def forward(self, sim: torch.Tensor) -> torch.Tensor:
+        return tscorer.row_cross_entropy(sim)
+
+
+class AddSpatialInfo(nn.Module):
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return tscorer.add_spatial_info(feats)
+
+
+def _encoder_sizes(cfg: AttrDict) -> dict[str, int]:
+    e = cfg.model.transformer_encoder
+    return dict(feat_dim=e.feat_dim, att_dim=e.att_dim, att_head=e.att_head,
+                num_layers=e.att_layer, grid_size=GRID_ROWS)
+
+
+def _decoder_sizes(cfg: AttrDict) -> dict[str, int]:
+    d = cfg.model.transformer_decoder
+    return dict(vocab_size=d.vocab_size, seq_length=d.seq_length, word_dim=d.word_dim,
+                att_dim=d.att_dim, att_head=d.att_head, num_layers=d.att_layer)
+
+
+class DIRL(tdirl.DIRL):
+    def __init__(self, cfg: AttrDict) -> None:
+        sizes = _encoder_sizes(cfg)
+        super().__init__(mlp_dim=4 * sizes["att_dim"], **sizes)
+
+    def forward(self, input_1: torch.Tensor, input_2: torch.Tensor) -> tuple:
+        out = super().forward(input_1, input_2)
+        return out.diff_bef, out.diff_aft, out.dirl_loss
+
+
+class _CCR(tdirl.CCRSpeaker):
+    VARIANT = ""
+
+    def __init__(self, cfg: AttrDict) -> None:
+        sizes = _decoder_sizes(cfg)
+        super().__init__(self.VARIANT, ffn_dim=4 * sizes["att_dim"], **sizes)
+
+    def _forward(self, diff_bef: torch.Tensor, diff_aft: torch.Tensor, seq: torch.Tensor,
+                 mask: torch.Tensor, labels_with_ignore: torch.Tensor) -> tuple:
+        out = self(diff_bef, diff_aft, seq, mask)
+        return tscorer.caption_cross_entropy(out.logits, labels_with_ignore), None, out.ccr_loss
+
+
+class CCRNoInit(_CCR):  # models/CCR_no_init.py (CLEVR-Change)
+    VARIANT = "clevr_change"
+
+
+class CCRDC(_CCR):  # models/CCR.py (CLEVR-DC)
+    VARIANT = "clevr_dc"
+
+
+class ChangeDetector(tscorer.ChangeDetector):
+    def __init__(self, cfg: AttrDict) -> None:
+        super().__init__(**_encoder_sizes(cfg))
+
+    def forward(self, input_1: torch.Tensor, input_2: torch.Tensor) -> tuple:
+        out = super().forward(input_1, input_2)
+        return out.memory, out.sim_bef, out.sim_aft, out.input_bef, out.input_aft
+
+
+class Speaker(tscorer.Speaker):
+    def __init__(self, cfg: AttrDict) -> None:
+        super().__init__(**_decoder_sizes(cfg))
+
+    def _forward(self, encoder_output: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
+                 labels_with_ignore: torch.Tensor) -> tuple:
+        logits, hidden = self(encoder_output, seq, mask)
+        return tscorer.caption_cross_entropy(logits, labels_with_ignore), logits, None, hidden
+
+
+class CBR(tscorer.CBR):
+    def __init__(self, cfg: AttrDict) -> None:
+        e = cfg.model.transformer_encoder
+        super().__init__(att_dim=e.att_dim, att_head=e.att_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkout on disk
+# ---------------------------------------------------------------------------------------------
+
+CONFIG_MODULE = """from torch_reference import official_layout as _layout
+
+cfg = _layout.default_cfg()
+
+
+def merge_cfg_from_file(path):
+    _layout.merge_file(cfg, path)
+
+
+def merge_cfg_from_list(items):
+    _layout.merge_list(cfg, items)
+"""
+TRAIN = {"grad_clip": -1.0, "optim": {"type": "adam", "lr": 0.0002, "weight_decay": 0.0}}
+YAMLS = {  # the shipped yamls' model sizes and training values
+    "transformer_clevr_change.yaml": (1026, 76, 24), "transformer_dc.yaml": (1024, 87, 40),
+    "transformer.yaml": (1026, 76, 24)}
+MODULES = {
+    "dirl": {"models/DIRL.py": "DIRL, AddSpatialInfo",
+             "models/CCR_no_init.py": "CCRNoInit as CCR", "models/CCR.py": "CCRDC as CCR"},
+    "scorer": {"models/SCORER.py": "ChangeDetector, AddSpatialInfo",
+               "models/transformer_decoder.py": "Speaker", "models/CBR.py": "CBR"},
+}
+REPO_YAMLS = {"dirl": ("transformer_clevr_change.yaml", "transformer_dc.yaml"),
+              "scorer": ("transformer.yaml",)}
+
+
+def _yaml_text(feat_dim: int, vocab: int, seq_length: int) -> str:
+    return yaml.safe_dump({
+        "model": {"transformer_encoder": {"feat_dim": feat_dim, "att_dim": 512},
+                  "transformer_decoder": {"word_dim": 300, "vocab_size": vocab,
+                                          "seq_length": seq_length}},
+        "train": TRAIN})
+
+
+def write_checkout(root: Path, model: str) -> Path:
+    """Writes the stand-in checkout of ``model`` ("dirl" or "scorer") under ``root``."""
+    files = {"configs/config_transformer.py": CONFIG_MODULE, "utils/__init__.py": "",
+             "utils/utils.py": "from torch_reference.official_layout import build_optimizer, "
+                               "CrossEn  # noqa: F401\n"}
+    for name in REPO_YAMLS[model]:
+        files[f"configs/dynamic/{name}"] = _yaml_text(*YAMLS[name])
+    for path, names in MODULES[model].items():
+        files[path] = f"from torch_reference.official_layout import {names}  # noqa: F401\n"
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
