@@ -9,6 +9,8 @@ project config; everything about training (optimiser, schedule, clipping) from t
 ``cfg``. Supported: DIRL+CCR (tuyunbin/DIRL, both decoder variants) and SCORER+CBR
 (tuyunbin/SCORER). Loss terms use the project's names: ``caption``, the auxiliary losses of
 ``config.loss_weights`` and ``total``.
+
+Section numbers (§) and quirk ids (S-Q) refer to docs/official/ (index: README.md there).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class ReproduceError(ValueError):
 
 @dataclasses.dataclass
 class TorchPair:
-    """One caption stream's inputs, as the official dataset yields them (reference §2.5)."""
+    """One caption stream's inputs, as the official dataset yields them (§2.5)."""
 
     after: Any  # (B, C, H, W) float32, after AddSpatialInfo where the script applies it
     labels: Any  # (B, L) int64 ids, START first

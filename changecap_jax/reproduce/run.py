@@ -17,6 +17,8 @@ initial weights and the same batches.
    parameters (before clipping), the learning rate, and after the update the largest absolute
    difference between the official parameters (mapped through the converter's key table) and
    ours.
+
+Section numbers (§) and quirk ids (S-Q) refer to docs/official/ (index: README.md there).
 """
 
 from __future__ import annotations
