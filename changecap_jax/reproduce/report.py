@@ -1,8 +1,8 @@
 """The per-step table (printed, ``steps.csv``, ``steps.json``) and ``losses.png``.
 
 The plot is drawn with Pillow (a core dependency; matplotlib is not one): the total loss of
-both sides per step (official as a line, ours as markers on it), and below it the largest
-relative loss difference per step on a log scale with the ``rtol`` line.
+both sides per step (official as a line, ours as markers on it), and below it each loss
+term's relative difference per step on a log scale with the ``rtol`` line.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from changecap_jax.jsonio import atomic_write, write_json_atomic
 
 CSV_FILE, JSON_FILE, PLOT_FILE = "steps.csv", "steps.json", "losses.png"
 OFFICIAL_COLOR, OURS_COLOR, LIMIT_COLOR = (31, 119, 180), (255, 127, 14), (214, 39, 40)
+TERM_COLORS = [(31, 119, 180), (44, 160, 44), (148, 103, 189), (140, 86, 75), (0, 0, 0)]
 SIZE = (960, 680)
 
 
@@ -129,6 +130,14 @@ def _log_labels(lo: float, hi: float) -> list[tuple[float, str]]:
     return [(float(e), f"1e{e}") for e in range(math.ceil(lo), math.floor(hi) + 1)]
 
 
+def _legend(draw: Any, origin: tuple[int, int], entries: list[tuple[str, tuple]]) -> None:
+    x, y = origin
+    for label, color in entries:
+        draw.line([(x, y + 6), (x + 18, y + 6)], fill=color, width=3)
+        draw.text((x + 22, y), label, fill=(0, 0, 0))
+        x += 34 + 6 * len(label)
+
+
 def plot(path: Path, rows: list[dict[str, Any]], rtol: float, settings: dict[str, Any]) -> None:
     """Writes ``losses.png`` (module docstring)."""
     from PIL import Image, ImageDraw
@@ -143,11 +152,15 @@ def plot(path: Path, rows: list[dict[str, Any]], rtol: float, settings: dict[str
            [([r["total_official"] for r in rows], OFFICIAL_COLOR, "line"),
             ([r["total_ours"] for r in rows], OURS_COLOR, "dots")],
            "total loss per step", _linear_labels)
-    worst = [math.log10(max(max_loss_rel_diff(r)[0], 1e-12)) for r in rows]
-    _panel(draw, (90, 440, 930, 640), steps,
-           [(worst, OURS_COLOR, "line"), ([math.log10(rtol)] * len(rows), LIMIT_COLOR, "line")],
-           f"largest relative loss difference per step (log10; red: rtol {rtol:g})",
+    terms = loss_terms(rows[0])
+    colors = dict(zip(terms, TERM_COLORS, strict=False))
+    series = [([math.log10(max(r[f"{t}_rel_diff"], 1e-12)) for r in rows], colors[t], "line")
+              for t in terms]
+    series.append(([math.log10(rtol)] * len(rows), LIMIT_COLOR, "line"))
+    _panel(draw, (90, 440, 930, 640), steps, series,
+           "relative difference of each loss term per step (log10; 0 drawn at 1e-12)",
            _log_labels)
+    _legend(draw, (520, 408), [*((t, colors[t]) for t in terms), (f"rtol {rtol:g}",
+                                                                   LIMIT_COLOR)])
     draw.text((480, 658), "step", fill=(0, 0, 0))
-
     atomic_write(path, lambda fh: image.save(fh, format="PNG"), binary=True)

@@ -374,8 +374,11 @@ def prepare(config: ml_collections.ConfigDict, options: Options
     adapter = get_adapter(config.model.name)
     if options.batch_size:
         config.batch_size = options.batch_size
-    notes = [f"model.dropout_rate {config.model.dropout_rate} -> 0 (dropout off on both sides)"]
-    config.model.dropout_rate = 0.0
+    notes = []
+    if config.model.dropout_rate:
+        notes.append(f"model.dropout_rate {config.model.dropout_rate} -> 0 (dropout off on "
+                     "both sides)")
+        config.model.dropout_rate = 0.0
     return config, adapter, notes + adapter.fit_config(config)
 
 
