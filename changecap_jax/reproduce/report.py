@@ -28,16 +28,19 @@ def loss_terms(row: dict[str, Any]) -> list[str]:
 
 
 def max_loss_rel_diff(row: dict[str, Any]) -> tuple[float, str]:
+    """The largest relative loss difference of a row, and its term."""
     return max((row[f"{t}_rel_diff"], t) for t in loss_terms(row))
 
 
 def header(terms: Sequence[str]) -> str:
+    """The printed table's column titles."""
     return (f"{'step':>5} {'lr official':>11} {'lr ours':>9} {'total official':>14} "
             f"{'total ours':>12} {'max loss rel diff':>24} {'grad norm rel':>13} "
             f"{'param max abs diff':>18} {'param rel L2':>13}   (terms: {', '.join(terms)})")
 
 
 def format_row(row: dict[str, Any]) -> str:
+    """One printed line per step."""
     worst, term = max_loss_rel_diff(row)
     return (f"{row['step']:>5} {row['lr_official']:>11.3e} {row['lr_ours']:>9.3e} "
             f"{row['total_official']:>14.7f} {row['total_ours']:>12.7f} "
@@ -46,9 +49,13 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = ["max relative difference over all steps (step):"]
+    """The printed summary of :func:`run.summarize`'s dict."""
+    lines = ["over all steps, official vs ours:"]
     for term, value in summary["max_rel_diff"].items():
-        lines.append(f"  {term:>10}: {value:.3e} ({summary['max_rel_diff_step'][term]})")
+        absolute = summary["max_abs_diff"].get(term)
+        lines.append(f"  {term:>10}: max relative difference {value:.3e} (step "
+                     f"{summary['max_rel_diff_step'][term]})"
+                     + (f", max absolute {absolute:.3e}" if absolute is not None else ""))
     for key, what in (
             ("param_max_abs_diff", "parameters, max |official - ours| after the update"),
             ("noise_param_max_abs_diff", "the same over the float-noise-gradient parameters"),
@@ -63,6 +70,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows as CSV, one column per key."""
     def write(fh: Any) -> None:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
