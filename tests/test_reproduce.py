@@ -102,7 +102,7 @@ def test_scorer_random_inputs(checkouts):
                                              **RANDOM))
     check_agreement(result, 3)
     assert {"sim_official", "cbr_ours", "caption_rel_diff"} <= set(result.rows[0])
-    assert not result.notes[1:], result.notes  # only "dropout off": the preset is official
+    assert result.notes == ["model.dropout_rate 0.1 -> 0 (dropout off on both sides)"]
 
 
 def test_a_different_learning_rate_shows(checkouts):

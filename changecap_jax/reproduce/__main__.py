@@ -59,6 +59,7 @@ def _usage(message: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Runs the comparison (module docstring) and exits with its status."""
     if len(argv) > 1:
         _usage(f"unexpected arguments {argv[1:]}")
     if not FLAGS.official_repo:

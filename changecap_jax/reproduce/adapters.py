@@ -41,6 +41,8 @@ class TorchPair:
 
 @dataclasses.dataclass
 class TorchBatch:
+    """One step's official inputs: the shared "before" grid and each stream's pair."""
+
     before: Any
     pairs: dict[str, TorchPair]  # "semantic" (the official "pos") first, then "distractor"
 
@@ -57,6 +59,7 @@ class OfficialModel:
 
     @property
     def trained(self) -> list[Any]:
+        """The modules whose parameters the optimiser holds."""
         return [self.modules["change_detector"], self.modules["speaker"]]
 
 
@@ -67,6 +70,7 @@ def _halves(values: list[Any]) -> Any:
 
 
 def _numpy_state(module: Any) -> dict[str, np.ndarray]:
+    """A module's state_dict as NumPy copies."""
     return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
 
 
@@ -78,15 +82,19 @@ class Adapter:
     fixed_widths = ""  # what the official code hard-codes, for error messages
 
     def script(self, model: ml_collections.ConfigDict) -> str:
+        """The official training script of this config (for messages)."""
         raise NotImplementedError
 
     def yaml(self, model: ml_collections.ConfigDict) -> str:
+        """The yaml that script reads, relative to the checkout."""
         raise NotImplementedError
 
     def module_names(self, model: ml_collections.ConfigDict) -> tuple[str, ...]:
+        """The official modules to import (dotted names)."""
         raise NotImplementedError
 
     def official_weights(self, model: ml_collections.ConfigDict) -> dict[str, float]:
+        """The auxiliary loss weights the script hard-codes, by our loss names."""
         raise NotImplementedError
 
     def fit_config(self, config: ml_collections.ConfigDict) -> list[str]:
@@ -100,6 +108,7 @@ class Adapter:
         raise NotImplementedError
 
     def losses(self, official: OfficialModel, batch: TorchBatch) -> dict[str, Any]:
+        """The loop body's loss tensors: caption, each auxiliary loss, total."""
         raise NotImplementedError
 
     def after_step(self, official: OfficialModel) -> None:
@@ -326,6 +335,7 @@ ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter()
 
 
 def get_adapter(model_name: str) -> Adapter:
+    """The adapter of ``config.model.name``; a clear error for a model without one."""
     if model_name not in ADAPTERS:
         raise ReproduceError(f"python -m changecap_jax.reproduce supports models "
                              f"{sorted(ADAPTERS)} (official code), not {model_name!r}")

@@ -1,8 +1,8 @@
 """The per-step table (printed, ``steps.csv``, ``steps.json``) and ``losses.png``.
 
 The plot is drawn with Pillow (a core dependency; matplotlib is not one): the total loss of
-both sides per step (official as a line, ours as markers on it), and below it the largest
-relative loss difference per step on a log scale with the ``rtol`` line.
+both sides per step (official as a line, ours as markers on it), and below it each loss
+term's relative difference per step on a log scale with the ``rtol`` line.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from changecap_jax.jsonio import atomic_write, write_json_atomic
 
 CSV_FILE, JSON_FILE, PLOT_FILE = "steps.csv", "steps.json", "losses.png"
 OFFICIAL_COLOR, OURS_COLOR, LIMIT_COLOR = (31, 119, 180), (255, 127, 14), (214, 39, 40)
+TERM_COLORS = [(31, 119, 180), (44, 160, 44), (148, 103, 189), (140, 86, 75), (0, 0, 0)]
 SIZE = (960, 680)
 
 
@@ -27,16 +28,19 @@ def loss_terms(row: dict[str, Any]) -> list[str]:
 
 
 def max_loss_rel_diff(row: dict[str, Any]) -> tuple[float, str]:
+    """The largest relative loss difference of a row, and its term."""
     return max((row[f"{t}_rel_diff"], t) for t in loss_terms(row))
 
 
 def header(terms: Sequence[str]) -> str:
+    """The printed table's column titles."""
     return (f"{'step':>5} {'lr official':>11} {'lr ours':>9} {'total official':>14} "
             f"{'total ours':>12} {'max loss rel diff':>24} {'grad norm rel':>13} "
             f"{'param max abs diff':>18} {'param rel L2':>13}   (terms: {', '.join(terms)})")
 
 
 def format_row(row: dict[str, Any]) -> str:
+    """One printed line per step."""
     worst, term = max_loss_rel_diff(row)
     return (f"{row['step']:>5} {row['lr_official']:>11.3e} {row['lr_ours']:>9.3e} "
             f"{row['total_official']:>14.7f} {row['total_ours']:>12.7f} "
@@ -45,9 +49,13 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = ["max relative difference over all steps (step):"]
+    """The printed summary of :func:`run.summarize`'s dict."""
+    lines = ["over all steps, official vs ours:"]
     for term, value in summary["max_rel_diff"].items():
-        lines.append(f"  {term:>10}: {value:.3e} ({summary['max_rel_diff_step'][term]})")
+        absolute = summary["max_abs_diff"].get(term)
+        lines.append(f"  {term:>10}: max relative difference {value:.3e} (step "
+                     f"{summary['max_rel_diff_step'][term]})"
+                     + (f", max absolute {absolute:.3e}" if absolute is not None else ""))
     for key, what in (
             ("param_max_abs_diff", "parameters, max |official - ours| after the update"),
             ("noise_param_max_abs_diff", "the same over the float-noise-gradient parameters"),
@@ -62,6 +70,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows as CSV, one column per key."""
     def write(fh: Any) -> None:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -129,6 +138,14 @@ def _log_labels(lo: float, hi: float) -> list[tuple[float, str]]:
     return [(float(e), f"1e{e}") for e in range(math.ceil(lo), math.floor(hi) + 1)]
 
 
+def _legend(draw: Any, origin: tuple[int, int], entries: list[tuple[str, tuple]]) -> None:
+    x, y = origin
+    for label, color in entries:
+        draw.line([(x, y + 6), (x + 18, y + 6)], fill=color, width=3)
+        draw.text((x + 22, y), label, fill=(0, 0, 0))
+        x += 34 + 6 * len(label)
+
+
 def plot(path: Path, rows: list[dict[str, Any]], rtol: float, settings: dict[str, Any]) -> None:
     """Writes ``losses.png`` (module docstring)."""
     from PIL import Image, ImageDraw
@@ -143,11 +160,15 @@ def plot(path: Path, rows: list[dict[str, Any]], rtol: float, settings: dict[str
            [([r["total_official"] for r in rows], OFFICIAL_COLOR, "line"),
             ([r["total_ours"] for r in rows], OURS_COLOR, "dots")],
            "total loss per step", _linear_labels)
-    worst = [math.log10(max(max_loss_rel_diff(r)[0], 1e-12)) for r in rows]
-    _panel(draw, (90, 440, 930, 640), steps,
-           [(worst, OURS_COLOR, "line"), ([math.log10(rtol)] * len(rows), LIMIT_COLOR, "line")],
-           f"largest relative loss difference per step (log10; red: rtol {rtol:g})",
+    terms = loss_terms(rows[0])
+    colors = dict(zip(terms, TERM_COLORS, strict=False))
+    series = [([math.log10(max(r[f"{t}_rel_diff"], 1e-12)) for r in rows], colors[t], "line")
+              for t in terms]
+    series.append(([math.log10(rtol)] * len(rows), LIMIT_COLOR, "line"))
+    _panel(draw, (90, 440, 930, 640), steps, series,
+           "relative difference of each loss term per step (log10; 0 drawn at 1e-12)",
            _log_labels)
+    _legend(draw, (520, 408), [*((t, colors[t]) for t in terms), (f"rtol {rtol:g}",
+                                                                   LIMIT_COLOR)])
     draw.text((480, 658), "step", fill=(0, 0, 0))
-
     atomic_write(path, lambda fh: image.save(fh, format="PNG"), binary=True)

@@ -61,6 +61,8 @@ NOISE_FRACTION = 1e-6  # a gradient below this fraction of the largest one is fl
 
 @dataclasses.dataclass(frozen=True)
 class Options:
+    """The command's flags (``__main__``)."""
+
     official_repo: Path
     steps: int
     batch_size: int | None = None  # None = config.batch_size
@@ -76,6 +78,8 @@ class Options:
 
 @dataclasses.dataclass
 class Inputs:
+    """Where the batches come from, and the sizes both models are built with."""
+
     sizes: mapping.Sizes
     steps_per_epoch: int
     description: str
@@ -84,6 +88,8 @@ class Inputs:
 
 @dataclasses.dataclass
 class Result:
+    """The per-step rows, their :func:`summarize`, notes on config differences, settings."""
+
     rows: list[dict[str, Any]]
     summary: dict[str, Any]
     notes: list[str]
@@ -163,6 +169,8 @@ def caption_targets(ids: np.ndarray) -> np.ndarray:
 
 def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
                 spatial_info: Any | None) -> TorchBatch:
+    """Our host batch as the official loop receives it (channels first, int64 ids,
+    ``labels_with_ignore``, float masks; AddSpatialInfo when given)."""
     import torch
 
     def grid(x: np.ndarray) -> Any:
@@ -186,6 +194,8 @@ def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
 
 @dataclasses.dataclass
 class OfficialSide:
+    """The official modules with their optimiser and schedule, and the steps taken."""
+
     adapter: Adapter
     model: OfficialModel
     cfg: Any
@@ -270,6 +280,8 @@ def trim_position_tables(states: dict[str, dict[str, np.ndarray]],
 
 @dataclasses.dataclass
 class OursSide:
+    """Our jitted train step and state on one device."""
+
     step_fn: Any
     state: Any
     sharding: Any
@@ -300,6 +312,7 @@ def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
 
 
 def ours_step(side: OursSide, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """One trainer step; its loss terms, gradient norm (trained groups) and lr."""
     side.state, metrics, grads = side.step_fn(side.state, jax.device_put(batch, side.sharding))
     trained = {k: v for k, v in grads.items() if k not in side.frozen}
     out = {"caption": metrics["loss/caption"], "total": metrics["loss"],
@@ -357,6 +370,8 @@ def relative(ours: float, official: float) -> float:
 
 def make_row(step: int, terms: tuple[str, ...], official: dict[str, float],
              ours: dict[str, float], param_diff: dict[str, Any]) -> dict[str, Any]:
+    """One table row: lrs, each term and the gradient norm on both sides with their relative
+    difference, and the parameter differences."""
     row: dict[str, Any] = {"step": step, "lr_official": official["lr"], "lr_ours": ours["lr"]}
     for name in (*terms, "grad_norm"):
         row.update({f"{name}_official": official[name], f"{name}_ours": ours[name],
@@ -376,8 +391,11 @@ def prepare(config: ml_collections.ConfigDict, options: Options
     adapter = get_adapter(config.model.name)
     if options.batch_size:
         config.batch_size = options.batch_size
-    notes = [f"model.dropout_rate {config.model.dropout_rate} -> 0 (dropout off on both sides)"]
-    config.model.dropout_rate = 0.0
+    notes = []
+    if config.model.dropout_rate:
+        notes.append(f"model.dropout_rate {config.model.dropout_rate} -> 0 (dropout off on "
+                     "both sides)")
+        config.model.dropout_rate = 0.0
     return config, adapter, notes + adapter.fit_config(config)
 
 
@@ -424,6 +442,8 @@ def compare(config: ml_collections.ConfigDict, options: Options,
 
 def _official_step_with_hint(side: OfficialSide, batch: TorchBatch, step: int
                              ) -> dict[str, float]:
+    """:func:`official_step`; a failure on the first step names what the official code
+    hard-codes."""
     try:
         return official_step(side, batch)
     except RuntimeError as e:
