@@ -208,22 +208,7 @@ def build_word_classes(
     df: collections.Counter[str] = collections.Counter()
     for tokens in token_lists:
         df.update({t.lower() for t in tokens})
-    word_class: dict[str, str] = {}
-    sense: dict[str, str] = {}
-    pools: dict[str, dict[str, list[str]]] = {}
-    missing: dict[str, list[str]] = {}
-    for cls, (_, _, senses) in LEXICON.items():
-        for group in senses:
-            for w in group:
-                if df[w] == 0:
-                    missing.setdefault(cls, []).append(w)
-                    continue
-                word_class[w], sense[w] = cls, group[0]
-                pools.setdefault(cls, {}).setdefault(group[0], []).append(w)
-    for cls, senses in pools.items():
-        if len(senses) < 2 and LEXICON[cls][1]:
-            logging.info("lexicon class %r has one sense in the training captions: it cannot "
-                         "be replaced", cls)
+    word_class, sense, pools, missing = _lexicon_classes(df)
 
     # Distributional expansion and the lexicon's consistency check.
     words, vectors = context_profiles(token_lists)
@@ -232,61 +217,20 @@ def build_word_classes(
     for w, cls in word_class.items():
         if w in row:
             members[cls].append(row[w])
-
-    def centroid(rows: list[int]) -> np.ndarray | None:
-        if not rows:
-            return None
-        c = vectors[rows].sum(0)
-        n = np.linalg.norm(c)
-        return c / n if n > 0 else None
-
-    centroids = {c: centroid(r) for c, r in members.items()}
+    centroids = {c: _unit_centroid(vectors, r) for c, r in members.items()}
     centroids = {c: v for c, v in centroids.items() if v is not None}
-    expanded: dict[str, str] = {}
-    if centroids:
-        names = sorted(centroids)
-        cmat = np.stack([centroids[c] for c in names])
-        for w in words:
-            if (w in word_class or w in FUNCTION_WORDS or not w.isalpha()
-                    or df[w] < min_df):
-                continue
-            sims = cmat @ vectors[row[w]]
-            best = int(np.argmax(sims))
-            if sims[best] >= EXPAND_MIN_COSINE:
-                expanded[w] = names[best]
-        for w, cls in expanded.items():
-            word_class[w], sense[w] = cls, w
-            pools.setdefault(cls, {})[w] = [w]
-    inconsistent: dict[str, str] = {}
-    for w, cls in sorted(word_class.items()):
-        if w not in row or w in expanded or df[w] < min_df:
-            continue
-        own_rows = [r for r in members[cls] if r != row[w]]
-        own = centroid(own_rows)
-        if own is None:
-            continue
-        v = vectors[row[w]]
-        own_sim = float(own @ v)
-        for other, c in centroids.items():
-            if other != cls and float(c @ v) > own_sim + INCONSISTENT_MARGIN:
-                inconsistent[w] = other  # its captions place it nearer another class
-                break
+    expanded = _expanded_words(words, vectors, row, centroids, word_class, df, min_df)
+    for w, cls in expanded.items():
+        word_class[w], sense[w] = cls, w
+        pools.setdefault(cls, {})[w] = [w]
+    inconsistent = _inconsistent_words(vectors, row, members, centroids, word_class,
+                                       expanded, df, min_df)
 
     # spaCy layer: POS classes for the remaining nouns and adjectives (paper A.2 pools).
     source = "lexicon"
     if pos_tags is not None:
         source = f"lexicon+{pos_source or 'pos'}"
-        pos_words = {w: t for w, t in pos_tags.items()
-                     if t in NOUN_TAGS | ADJ_TAGS and w not in word_class and w.isalpha()}
-        pooled: set[str] = set()
-        for tokens in token_lists:
-            tagged = [t.lower() for t in tokens if t.lower() in pos_words]
-            weights = [idf.get(w, 0.0) * tagged.count(w) for w in tagged]
-            pooled.update(tagged[i] for i in _top_half(weights))
-        for w, tag in pos_words.items():
-            word_class[w], sense[w] = f"pos:{tag}", w
-            if w in pooled and df[w] >= min_df:
-                pools.setdefault(f"pos:{tag}", {})[w] = [w]
+        _add_pos_classes(token_lists, idf, pos_tags, df, min_df, word_class, sense, pools)
 
     head_classes = {c for c, (head, _, _) in LEXICON.items() if head}
     head_classes |= {f"pos:{t}" for t in NOUN_TAGS}
@@ -303,6 +247,98 @@ def build_word_classes(
         expanded=expanded,
         inconsistent=inconsistent,
     )
+
+
+def _lexicon_classes(df: Mapping[str, int]) -> tuple[dict, dict, dict, dict]:
+    """The lexicon's words that occur in the captions: (word -> class, word -> sense,
+    class -> sense -> words, class -> the lexicon words that never occur)."""
+    word_class: dict[str, str] = {}
+    sense: dict[str, str] = {}
+    pools: dict[str, dict[str, list[str]]] = {}
+    missing: dict[str, list[str]] = {}
+    for cls, (_, _, senses) in LEXICON.items():
+        for group in senses:
+            for w in group:
+                if df[w] == 0:
+                    missing.setdefault(cls, []).append(w)
+                    continue
+                word_class[w], sense[w] = cls, group[0]
+                pools.setdefault(cls, {}).setdefault(group[0], []).append(w)
+    for cls, senses in pools.items():
+        if len(senses) < 2 and LEXICON[cls][1]:
+            logging.info("lexicon class %r has one sense in the training captions: it cannot "
+                         "be replaced", cls)
+    return word_class, sense, pools, missing
+
+
+def _unit_centroid(vectors: np.ndarray, rows: list[int]) -> np.ndarray | None:
+    """The normalised sum of ``vectors[rows]`` (None for no rows or a zero sum)."""
+    if not rows:
+        return None
+    c = vectors[rows].sum(0)
+    n = np.linalg.norm(c)
+    return c / n if n > 0 else None
+
+
+def _expanded_words(words: Sequence[str], vectors: np.ndarray, row: Mapping[str, int],
+                    centroids: Mapping[str, np.ndarray], word_class: Mapping[str, str],
+                    df: Mapping[str, int], min_df: int) -> dict[str, str]:
+    """Frequent content words outside the lexicon whose context profile lies near a class
+    centroid: word -> that class."""
+    expanded: dict[str, str] = {}
+    if not centroids:
+        return expanded
+    names = sorted(centroids)
+    cmat = np.stack([centroids[c] for c in names])
+    for w in words:
+        if (w in word_class or w in FUNCTION_WORDS or not w.isalpha()
+                or df[w] < min_df):
+            continue
+        sims = cmat @ vectors[row[w]]
+        best = int(np.argmax(sims))
+        if sims[best] >= EXPAND_MIN_COSINE:
+            expanded[w] = names[best]
+    return expanded
+
+
+def _inconsistent_words(vectors: np.ndarray, row: Mapping[str, int],
+                        members: Mapping[str, list[int]], centroids: Mapping[str, np.ndarray],
+                        word_class: Mapping[str, str], expanded: Mapping[str, str],
+                        df: Mapping[str, int], min_df: int) -> dict[str, str]:
+    """Lexicon words whose captions place them nearer another class: word -> that class."""
+    inconsistent: dict[str, str] = {}
+    for w, cls in sorted(word_class.items()):
+        if w not in row or w in expanded or df[w] < min_df:
+            continue
+        own = _unit_centroid(vectors, [r for r in members[cls] if r != row[w]])
+        if own is None:
+            continue
+        v = vectors[row[w]]
+        own_sim = float(own @ v)
+        for other, c in centroids.items():
+            if other != cls and float(c @ v) > own_sim + INCONSISTENT_MARGIN:
+                inconsistent[w] = other
+                break
+    return inconsistent
+
+
+def _add_pos_classes(token_lists: Sequence[Sequence[str]], idf: Mapping[str, float],
+                     pos_tags: Mapping[str, str], df: Mapping[str, int], min_df: int,
+                     word_class: dict[str, str], sense: dict[str, str],
+                     pools: dict[str, dict[str, list[str]]]) -> None:
+    """Adds a "pos:<tag>" class for each remaining noun and adjective; pools hold the words in
+    the top half (by idf) of some caption's tagged words (in place)."""
+    pos_words = {w: t for w, t in pos_tags.items()
+                 if t in NOUN_TAGS | ADJ_TAGS and w not in word_class and w.isalpha()}
+    pooled: set[str] = set()
+    for tokens in token_lists:
+        tagged = [t.lower() for t in tokens if t.lower() in pos_words]
+        weights = [idf.get(w, 0.0) * tagged.count(w) for w in tagged]
+        pooled.update(tagged[i] for i in _top_half(weights))
+    for w, tag in pos_words.items():
+        word_class[w], sense[w] = f"pos:{tag}", w
+        if w in pooled and df[w] >= min_df:
+            pools.setdefault(f"pos:{tag}", {})[w] = [w]
 
 
 def spacy_tagger(
