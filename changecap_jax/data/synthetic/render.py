@@ -81,75 +81,100 @@ def _draw_object(
     cam: Camera, light: Lighting, lvec: np.ndarray,
 ) -> tuple[float, float, float, float]:
     """Draws one object at camera-frame ground position (cx, cy); returns its box (x0,y0,x1,y1)."""
+    if obj.shape not in _DRAWERS:
+        raise ValueError(f"unknown shape {obj.shape!r}")
+    return _DRAWERS[obj.shape](draw, obj, cx, cy, proj, cam, light, lvec)
+
+
+def _draw_cube(
+    draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, proj: _Projector,
+    cam: Camera, light: Lighting, lvec: np.ndarray,
+) -> tuple[float, float, float, float]:
+    """A cube turned by its yaw: the visible sides, back to front, then the top."""
     r = RADIUS[obj.size]
-    if obj.shape == "cube":
-        h = r * 0.78
-        yaw = math.radians(obj.yaw - cam.yaw)
-        corners = []
-        for sx, sy in ((-1, -1), (1, -1), (1, 1), (-1, 1)):
-            dx = h * (sx * math.cos(yaw) - sy * math.sin(yaw))
-            dy = h * (sx * math.sin(yaw) + sy * math.cos(yaw))
-            corners.append((cx + dx, cy + dy))
-        base = [proj(x, y, 0.0) for x, y in corners]
-        top = [proj(x, y, 2 * h) for x, y in corners]
-        faces = []
-        for k in range(4):
-            (x0, y0), (x1, y1) = corners[k], corners[(k + 1) % 4]
-            mx, my = (x0 + x1) / 2, (y0 + y1) / 2
-            nx, ny = mx - cx, my - cy
-            # A side is visible when its outward normal points towards the camera at (0, -D).
-            if nx * (0.0 - mx) + ny * (-DEPTH_OFFSET - my) > 0:
-                n = np.array([nx, ny, 0.0]) / math.hypot(nx, ny)
-                poly = [base[k], base[(k + 1) % 4], top[(k + 1) % 4], top[k]]
-                faces.append((my, poly, float(n @ lvec)))
-        for _, poly, diff in sorted(faces, key=lambda f: -f[0]):
-            draw.polygon(poly, fill=_shade(obj.color, obj.material, diff, light))
-        draw.polygon(top, fill=_shade(obj.color, obj.material, float(lvec[2]) + 0.1, light))
-        if obj.material == "metal":
-            tx = sum(p[0] for p in top) / 4
-            ty = sum(p[1] for p in top) / 4
-            s = proj.scale(cy) * h * 0.35
-            draw.ellipse([tx - s, ty - s * 0.5, tx + s, ty + s * 0.5], fill=(250, 250, 250))
-        return _bbox(base + top)
-    if obj.shape == "sphere":
-        u, v = proj(cx, cy, r)
-        rho = proj.scale(cy) * r
-        draw.ellipse([u - rho, v - rho, u + rho, v + rho],
-                     fill=_shade(obj.color, obj.material, 0.15, light))
-        # A lit cap offset towards the light: concentric discs give a cheap gradient.
-        ox, oy = lvec[0] * rho * 0.35, -lvec[2] * rho * 0.3
-        for frac, diff in ((0.8, 0.5), (0.55, 0.8)):
-            rr = rho * frac
-            draw.ellipse([u + ox - rr, v + oy - rr, u + ox + rr, v + oy + rr],
-                         fill=_shade(obj.color, obj.material, diff, light))
-        if obj.material == "metal":
-            rr = rho * 0.22
-            hx, hy = u + ox * 1.3, v + oy * 1.3
-            draw.ellipse([hx - rr, hy - rr, hx + rr, hy + rr], fill=(252, 252, 252))
-        return u - rho, v - rho, u + rho, v + rho
-    if obj.shape == "cylinder":
-        height = 1.5 * r
-        u0, v0 = proj(cx, cy, 0.0)
-        u1, v1 = proj(cx, cy, height)
-        rho = proj.scale(cy) * r
-        # Vertical half-axis of the rim ellipses: projected depth extent of the rim.
-        rv0 = abs(proj(cx, cy - r, 0.0)[1] - proj(cx, cy + r, 0.0)[1]) / 2
-        rv1 = abs(proj(cx, cy - r, height)[1] - proj(cx, cy + r, height)[1]) / 2
-        side = _shade(obj.color, obj.material, 0.3, light)
-        draw.ellipse([u0 - rho, v0 - rv0, u0 + rho, v0 + rv0], fill=side)
-        draw.rectangle([u1 - rho, v1, u0 + rho, v0], fill=side)
-        lit_w = rho * 0.5
-        lx = u1 + lvec[0] * rho * 0.4
-        draw.rectangle([lx - lit_w, v1, lx + lit_w, v0],
-                       fill=_shade(obj.color, obj.material, 0.75, light))
-        draw.ellipse([u1 - rho, v1 - rv1, u1 + rho, v1 + rv1],
-                     fill=_shade(obj.color, obj.material, float(lvec[2]) + 0.1, light))
-        if obj.material == "metal":
-            top_y = v1 + rv1
-            draw.rectangle([lx - lit_w * 0.3, top_y, lx + lit_w * 0.3, max(top_y, v0 - rv0 * 0.5)],
-                           fill=(248, 248, 248))
-        return u0 - rho, v1 - rv1, u0 + rho, v0 + rv0
-    raise ValueError(f"unknown shape {obj.shape!r}")
+    h = r * 0.78
+    yaw = math.radians(obj.yaw - cam.yaw)
+    corners = []
+    for sx, sy in ((-1, -1), (1, -1), (1, 1), (-1, 1)):
+        dx = h * (sx * math.cos(yaw) - sy * math.sin(yaw))
+        dy = h * (sx * math.sin(yaw) + sy * math.cos(yaw))
+        corners.append((cx + dx, cy + dy))
+    base = [proj(x, y, 0.0) for x, y in corners]
+    top = [proj(x, y, 2 * h) for x, y in corners]
+    faces = []
+    for k in range(4):
+        (x0, y0), (x1, y1) = corners[k], corners[(k + 1) % 4]
+        mx, my = (x0 + x1) / 2, (y0 + y1) / 2
+        nx, ny = mx - cx, my - cy
+        # A side is visible when its outward normal points towards the camera at (0, -D).
+        if nx * (0.0 - mx) + ny * (-DEPTH_OFFSET - my) > 0:
+            n = np.array([nx, ny, 0.0]) / math.hypot(nx, ny)
+            poly = [base[k], base[(k + 1) % 4], top[(k + 1) % 4], top[k]]
+            faces.append((my, poly, float(n @ lvec)))
+    for _, poly, diff in sorted(faces, key=lambda f: -f[0]):
+        draw.polygon(poly, fill=_shade(obj.color, obj.material, diff, light))
+    draw.polygon(top, fill=_shade(obj.color, obj.material, float(lvec[2]) + 0.1, light))
+    if obj.material == "metal":
+        tx = sum(p[0] for p in top) / 4
+        ty = sum(p[1] for p in top) / 4
+        s = proj.scale(cy) * h * 0.35
+        draw.ellipse([tx - s, ty - s * 0.5, tx + s, ty + s * 0.5], fill=(250, 250, 250))
+    return _bbox(base + top)
+
+
+def _draw_sphere(
+    draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, proj: _Projector,
+    cam: Camera, light: Lighting, lvec: np.ndarray,
+) -> tuple[float, float, float, float]:
+    """A sphere: a disc with a lit cap towards the light."""
+    r = RADIUS[obj.size]
+    u, v = proj(cx, cy, r)
+    rho = proj.scale(cy) * r
+    draw.ellipse([u - rho, v - rho, u + rho, v + rho],
+                 fill=_shade(obj.color, obj.material, 0.15, light))
+    # A lit cap offset towards the light: concentric discs give a cheap gradient.
+    ox, oy = lvec[0] * rho * 0.35, -lvec[2] * rho * 0.3
+    for frac, diff in ((0.8, 0.5), (0.55, 0.8)):
+        rr = rho * frac
+        draw.ellipse([u + ox - rr, v + oy - rr, u + ox + rr, v + oy + rr],
+                     fill=_shade(obj.color, obj.material, diff, light))
+    if obj.material == "metal":
+        rr = rho * 0.22
+        hx, hy = u + ox * 1.3, v + oy * 1.3
+        draw.ellipse([hx - rr, hy - rr, hx + rr, hy + rr], fill=(252, 252, 252))
+    return u - rho, v - rho, u + rho, v + rho
+
+
+def _draw_cylinder(
+    draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, proj: _Projector,
+    cam: Camera, light: Lighting, lvec: np.ndarray,
+) -> tuple[float, float, float, float]:
+    """An upright cylinder: base rim, side, lit stripe and top rim."""
+    r = RADIUS[obj.size]
+    height = 1.5 * r
+    u0, v0 = proj(cx, cy, 0.0)
+    u1, v1 = proj(cx, cy, height)
+    rho = proj.scale(cy) * r
+    # Vertical half-axis of the rim ellipses: projected depth extent of the rim.
+    rv0 = abs(proj(cx, cy - r, 0.0)[1] - proj(cx, cy + r, 0.0)[1]) / 2
+    rv1 = abs(proj(cx, cy - r, height)[1] - proj(cx, cy + r, height)[1]) / 2
+    side = _shade(obj.color, obj.material, 0.3, light)
+    draw.ellipse([u0 - rho, v0 - rv0, u0 + rho, v0 + rv0], fill=side)
+    draw.rectangle([u1 - rho, v1, u0 + rho, v0], fill=side)
+    lit_w = rho * 0.5
+    lx = u1 + lvec[0] * rho * 0.4
+    draw.rectangle([lx - lit_w, v1, lx + lit_w, v0],
+                   fill=_shade(obj.color, obj.material, 0.75, light))
+    draw.ellipse([u1 - rho, v1 - rv1, u1 + rho, v1 + rv1],
+                 fill=_shade(obj.color, obj.material, float(lvec[2]) + 0.1, light))
+    if obj.material == "metal":
+        top_y = v1 + rv1
+        draw.rectangle([lx - lit_w * 0.3, top_y, lx + lit_w * 0.3, max(top_y, v0 - rv0 * 0.5)],
+                       fill=(248, 248, 248))
+    return u0 - rho, v1 - rv1, u0 + rho, v0 + rv0
+
+
+_DRAWERS = {"cube": _draw_cube, "sphere": _draw_sphere, "cylinder": _draw_cylinder}
 
 
 def render(
