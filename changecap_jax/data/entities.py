@@ -371,11 +371,8 @@ def _next_verb(tokens: Sequence[str], i: int) -> int | None:
 
 
 def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | None, str | None]:
-    n = len(tokens)
-    if not n:
-        return None, NO_SUBJECT
     start = 0
-    while start < n and tokens[start] in _LEADING_WORDS:
+    while start < len(tokens) and tokens[start] in _LEADING_WORDS:
         start += 1
     tokens = tokens[start:]
     n = len(tokens)
@@ -391,29 +388,48 @@ def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | 
         return _entity(words)
     # Editing imperatives: "remove the man on the left" -> "man" (not "shade is gone")
     if tokens[0] in _EDIT_VERBS and not (n > 1 and (tokens[1] in _AUX or tokens[1] in _VERBS)):
-        i = 1
-        while i < n and tokens[i] in _PARTICLES:
-            i += 1
-        if tokens[i:i + 1] == ["and"] and tokens[i + 1:i + 2] and tokens[i + 1] in _EDIT_VERBS:
-            return _rule_parse(tokens[i + 1:], allow_fragment)  # "crop and zoom into X"
-        words, _ = _noun_phrase(tokens, i)
-        if tokens[0] in _RESULT_VERBS:  # "make the red car blue" -> "red car"
-            cut = next((k for k in range(1, len(words)) if words[k] in _STATE_WORDS), None)
-            words = words[:cut]
-        return _entity(words) if words else (None, NO_OBJECT)
+        return _parse_imperative(tokens, allow_fragment)
     # "in the after image(,) the cube is gone" / "in the second picture there is a car"
     if tokens[0] in _PREPOSITIONS and tokens[:2] not in (["at", "least"], ["at", "most"]) and not (
             tokens[0] in _ADJECTIVE_PREPOSITIONS and n > 1 and tokens[1] in _IMAGE_WORDS):
-        for j in range(1, n - 1):
-            if tokens[j] == "there" and tokens[j + 1] in _AUX:
-                return _rule_parse(tokens[j:], allow_fragment)
-        place, end = _noun_phrase(tokens, 1)
-        if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
-            # the place phrase ended where the subject starts: "in the lot a car ..."
-            return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
-        if "," in tokens:
-            return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
-        return None, LEADING_PP
+        return _parse_after_place(tokens, allow_fragment)
+    return _parse_subject(tokens, allow_fragment)
+
+
+def _parse_imperative(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
+    """The object of an editing verb: "remove the man on the left" -> "man"."""
+    n = len(tokens)
+    i = 1
+    while i < n and tokens[i] in _PARTICLES:
+        i += 1
+    if tokens[i:i + 1] == ["and"] and tokens[i + 1:i + 2] and tokens[i + 1] in _EDIT_VERBS:
+        return _rule_parse(tokens[i + 1:], allow_fragment)  # "crop and zoom into X"
+    words, _ = _noun_phrase(tokens, i)
+    if tokens[0] in _RESULT_VERBS:  # "make the red car blue" -> "red car"
+        cut = next((k for k in range(1, len(words)) if words[k] in _STATE_WORDS), None)
+        words = words[:cut]
+    return _entity(words) if words else (None, NO_OBJECT)
+
+
+def _parse_after_place(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
+    """A sentence that opens with a place phrase: the subject after it, or LEADING_PP."""
+    n = len(tokens)
+    for j in range(1, n - 1):
+        if tokens[j] == "there" and tokens[j + 1] in _AUX:
+            return _rule_parse(tokens[j:], allow_fragment)
+    place, end = _noun_phrase(tokens, 1)
+    if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
+        # the place phrase ended where the subject starts: "in the lot a car ..."
+        return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
+    if "," in tokens:
+        return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
+    return None, LEADING_PP
+
+
+def _parse_subject(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
+    """The sentence's subject noun phrase, or what "the difference is ..." and "the image
+    has ..." introduce."""
+    n = len(tokens)
     words, end = _noun_phrase(tokens, 0)
     reason = _check_phrase(words, end, n, allow_fragment)
     if reason:
@@ -666,7 +682,33 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
     for key, value in counts.items():
         if value < 0:
             raise _fail(path, key, f"is negative ({value})")
-    entities = []
+    entities = _read_entity_list(data, path)
+    known = {e.text for e in entities}
+    captions = _require(data, path, "captions", dict)
+    for caption, entity in captions.items():
+        if entity is not None and entity not in known:
+            raise _fail(path, f"captions[{json.dumps(caption)}]",
+                        f"names entity {entity!r}, which is not in 'entities'")
+    unparsed = _read_unparsed(data, path, captions)
+    source = data.get("source", {})
+    if not isinstance(source, dict):
+        raise _fail(path, "source", "must be an object")
+    extraction = EntityExtraction(
+        backend=backend, entities=entities, captions=captions, unparsed=unparsed,
+        num_captions=counts["num_captions"], num_no_change=counts["num_no_change"],
+        num_empty=counts["num_empty"], spacy_model=data.get("spacy_model"),
+        fallback_reason=data.get("fallback_reason"), source=source)
+    for key in ("num_parsed", "num_unparsed"):
+        if getattr(extraction, key) != counts[key]:
+            raise _fail(path, key, f"is {counts[key]} but the entities and counts give "
+                                   f"{getattr(extraction, key)}")
+    return extraction
+
+
+def _read_entity_list(data: dict, path: Path) -> list[Entity]:
+    """The checked ``entities`` list: ids are positions, sorted by descending count, then
+    text, each text once."""
+    entities: list[Entity] = []
     for i, item in enumerate(_require(data, path, "entities", list)):
         key = f"entities[{i}]"
         if not isinstance(item, dict):
@@ -684,12 +726,12 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
             raise _fail(path, f"{key}", "is out of order or repeated (entities are sorted by "
                         "descending count, then text, each text once)")
         entities.append(Entity(eid, text, count))
-    known = {e.text for e in entities}
-    captions = _require(data, path, "captions", dict)
-    for caption, entity in captions.items():
-        if entity is not None and entity not in known:
-            raise _fail(path, f"captions[{json.dumps(caption)}]",
-                        f"names entity {entity!r}, which is not in 'entities'")
+    return entities
+
+
+def _read_unparsed(data: dict, path: Path, captions: dict) -> dict[str, str]:
+    """The checked ``unparsed`` list as caption -> reason; each caption must be in
+    ``captions`` with a null entity."""
     unparsed = {}
     for i, item in enumerate(_require(data, path, "unparsed", list)):
         if not isinstance(item, dict):
@@ -699,19 +741,7 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
         if captions.get(caption, "") is not None:
             raise _fail(path, f"unparsed[{i}].caption",
                         f"{caption!r} is not in 'captions' with a null entity")
-    source = data.get("source", {})
-    if not isinstance(source, dict):
-        raise _fail(path, "source", "must be an object")
-    extraction = EntityExtraction(
-        backend=backend, entities=entities, captions=captions, unparsed=unparsed,
-        num_captions=counts["num_captions"], num_no_change=counts["num_no_change"],
-        num_empty=counts["num_empty"], spacy_model=data.get("spacy_model"),
-        fallback_reason=data.get("fallback_reason"), source=source)
-    for key in ("num_parsed", "num_unparsed"):
-        if getattr(extraction, key) != counts[key]:
-            raise _fail(path, key, f"is {counts[key]} but the entities and counts give "
-                                   f"{getattr(extraction, key)}")
-    return extraction
+    return unparsed
 
 
 # ----------------------------------------------------------------------------- datasets

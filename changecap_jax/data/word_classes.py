@@ -205,9 +205,7 @@ def build_word_classes(
       pos_source: what tagged them, for the report (e.g. "spacy:en_core_web_sm").
       min_df: document frequency a non-lexicon word needs to join a class.
     """
-    df: collections.Counter[str] = collections.Counter()
-    for tokens in token_lists:
-        df.update({t.lower() for t in tokens})
+    df = collections.Counter(w for tokens in token_lists for w in {t.lower() for t in tokens})
     word_class, sense, pools, missing = _lexicon_classes(df)
 
     # Distributional expansion and the lexicon's consistency check.
