@@ -576,6 +576,26 @@ def _split_accuracy(source: Any, ids: np.ndarray, texts: Sequence[str],
     return retrieval_accuracy(ids, texts, refs, entity_of)
 
 
+def _entities_file(dataset: Any) -> Path:
+    """The dataset's entities.json, which must exist (made by data_prep.entities)."""
+    entities_path = dataset.directory / entity_lib.ENTITIES_FILE
+    if not entities_path.exists():
+        raise FileNotFoundError(
+            f"{entities_path} does not exist: extract the change entities first with "
+            f"python -m data_prep.entities --dataset={dataset.name} --data_dir=<the data "
+            "directory the dataset was built in> (and the same --variant and build flags)")
+    return entities_path
+
+
+def _checked_splits(dataset: Any, splits: Sequence[str] | None) -> list[str]:
+    """``splits`` (all the dataset's when None), each one the dataset has."""
+    all_splits = list(dataset.builder.info.splits)
+    splits = list(splits or all_splits)
+    if unknown := sorted(set(splits) - set(all_splits)):
+        raise ValueError(f"unknown splits {unknown}; the dataset has {all_splits}")
+    return splits
+
+
 def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None = None,
                   k: int = DEFAULT_K, difference: str = "signed",
                   splits: Sequence[str] | None = None, overwrite: bool = False,
@@ -583,12 +603,7 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
                   clip_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Writes ``<dataset directory>/entity_retrieval`` (see the module docstring) and returns
     its meta.json content. ``dataset`` is a ``datasets.PreparedDataset``."""
-    entities_path = dataset.directory / entity_lib.ENTITIES_FILE
-    if not entities_path.exists():
-        raise FileNotFoundError(
-            f"{entities_path} does not exist: extract the change entities first with "
-            f"python -m data_prep.entities --dataset={dataset.name} --data_dir=<the data "
-            "directory the dataset was built in> (and the same --variant and build flags)")
+    entities_path = _entities_file(dataset)
     out = dataset.directory / RETRIEVAL_DIR
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
@@ -599,10 +614,7 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
     if not 1 <= k <= len(texts):
         raise ValueError(f"k must be in [1, {len(texts)}] (the entities of {entities_path}), "
                          f"got {k}")
-    all_splits = list(dataset.builder.info.splits)
-    splits = list(splits or all_splits)
-    if unknown := sorted(set(splits) - set(all_splits)):
-        raise ValueError(f"unknown splits {unknown}; the dataset has {all_splits}")
+    splits = _checked_splits(dataset, splits)
     if backbone == "auto":
         backbone = "clip" if clip_path else "contrastive"
     model = _make_backbone(dataset, backbone, clip_path, difference, extraction, contrastive,
