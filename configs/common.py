@@ -55,7 +55,7 @@ def input_pipeline() -> ml_collections.ConfigDict:
     reading threads per process. prefetch: batches read ahead per thread pool and per worker
     queue (host memory ~ 2 * prefetch + threads local batches per worker). An accelerator
     host wants more: one core reads ~190 paper-sized (3 x 14x14x1024) float32 examples/s,
-    ~330 float16; e.g. 16 cores: workers=6, threads=2 (README, "Input pipelines").
+    ~330 float16; e.g. 16 cores: workers=6, threads=2 (docs/input_pipeline.md).
     """
     return ml_collections.ConfigDict({
         "workers": 0, "eval_workers": 0, "threads": 2, "prefetch": 2})

@@ -46,7 +46,7 @@ Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic s
                               embedding init std 0.02: models/idc_pcl.py, "Embedding
                               balance"), batch 64, 1000 steps, constant lr 5e-4, the official
                               summed loss. A smoke test: at the CPU budgets measured (up to
-                              3000 steps) the captions do not follow the change (README).
+                              3000 steps) the captions do not follow the change (docs/models.md).
   finetune/synthetic_extreme  the same on the extreme-distractor variant.
   finetune/clevr_change       Table 6 / §5.6: hidden 512, 8 heads, FFN 2048, 3 blocks, dropout
                               0.2, captions of 40, lr 3e-5 halved at 10k and 20k steps, at most
@@ -76,7 +76,7 @@ STAGES = ("pretrain", "finetune")
 # The CPU presets' two named deviations from the official embedding (models/idc_pcl.py,
 # "Embedding balance"): with them the distractor classifier's training loss falls below chance
 # within the presets' 1000 steps (without them it stays at chance); its held-out accuracy stays
-# near chance (README).
+# near chance (docs/models.md).
 CPU_EMBEDDING = {"image_feature_scale": 16.0, "type_embedding_std": 0.02}
 # A 4x4 grid of the synthetic scenes (the dataset variant "moderate_f4x4x64"): 34 image tokens
 # instead of 130 make a training step 2.8x cheaper than the 8x8 grid the other models read.

@@ -172,7 +172,7 @@ def converted(request, tmp_path_factory):
     tsnapshot.save_official_snapshot(path, enc, dec)
     workdir = tmp / "workdir"
     if variant == "clevr_change":
-        # Once through the real command line (a subprocess), as the README gives it: the
+        # Once through the real command line (a subprocess), as docs/convert.md gives it: the
         # snapshot's model_cfg pickles as utils.attr_dict.AttrDict, like the official train.py's,
         # and converts without --allow_pickle.
         args = [sys.executable, "-m", "changecap_jax.convert",

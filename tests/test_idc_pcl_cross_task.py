@@ -250,7 +250,7 @@ def test_caption_source_fda_negatives_are_retrieve_and_replace(caption_trainer, 
 
 
 def test_cli_writes_the_negatives(data, tmp_path):
-    """The README's build command: ``--negatives`` for CUB, refused for NABirds."""
+    """The build command of docs/models.md: ``--negatives`` for CUB, refused for NABirds."""
     raw = write_cub_one_colour_per_image(tmp_path)
     source = ct.read_cub(raw)
     features = tmp_path / "features"

@@ -167,7 +167,7 @@ def built_variants(root: Path, name: str) -> dict[str, Path]:
 
 def _prepare_real(name: str, root: Path, variant: str) -> PreparedDataset:
     how = (f"build it with: python -m data_prep.build {name} --raw_dir=RAW "
-           f"--data_dir={root} (see the README)")
+           f"--data_dir={root} (see docs/datasets.md)")
     variants = built_variants(root, name)
     if not variants:
         raise DatasetError(f"dataset {name!r} is not built in {root} (no "

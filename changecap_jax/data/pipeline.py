@@ -59,7 +59,7 @@ class ReadAhead:
 
     workers: int = 0
     # Two: reading is mostly array_record's decompression, which releases the GIL, so a
-    # second thread gives a process 1.6-2x the rate (README, "Input pipelines").
+    # second thread gives a process 1.6-2x the rate (docs/input_pipeline.md).
     threads: int = 2
     prefetch: int = 2
 
