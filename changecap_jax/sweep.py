@@ -8,9 +8,10 @@ lambda_d / lambda_c study of Fig. 5.
 
 Each value trains in a subprocess, ``python -m changecap_jax.main --config=... --workdir=
 DIR/<param>=<value> --config.<param>=<value>`` plus the ``--config.FIELD=VALUE`` overrides
-given here, one after the other; its output goes to ``train.log`` in that workdir. A value
-whose run ended (``sweep_done.json`` beside its final metrics) is skipped; an interrupted one
-is started again with the same command, and the trainer resumes from its checkpoint. Then
+given here, one after the other; its output goes to ``train.log`` in that workdir, its
+arguments and then its final metrics file to ``sweep_run.json``. A value whose run ended is
+skipped; an interrupted one is started again with the same command, and the trainer resumes
+from its checkpoint (a workdir holding a run with other arguments is an error). Then
 ``DIR/sweep.md`` and ``DIR/sweep.json`` table each value's main metrics of ``--split`` (the
 final metrics file, ``metrics/<split>_<step>.json``, written by
 changecap_jax/evaluation.py ``write_results``) and ``DIR/sweep.png`` plots ``--metric``
@@ -40,7 +41,7 @@ from changecap_jax.errors import UserError
 from changecap_jax.jsonio import atomic_write, read_json, write_json_atomic
 
 FLAGS = flags.FLAGS
-DONE_FILE = "sweep_done.json"  # in a value's workdir: its run ended, and its metrics file
+RECORD_FILE = "sweep_run.json"  # in a value's workdir: its run's arguments, then its metrics
 LOG_FILE = "train.log"
 TABLE_FILE, JSON_FILE, PLOT_FILE = "sweep.md", "sweep.json", "sweep.png"
 SWEEPABLE = (bool, int, float, str)  # bool first: it is an int too
@@ -160,18 +161,26 @@ def step_of(metrics_file: Path) -> int:
 
 
 def finished(variant: Variant, args: Sequence[str]) -> Path | None:
-    """The final metrics file of a value whose run ended, or None; a run that ended with
-    other arguments is an error (its results would not be this sweep's)."""
-    done = variant.workdir / DONE_FILE
-    if not done.exists():
+    """The final metrics file of a value whose run ended, or None; a workdir holding a run
+    with other arguments is an error (the trainer would resume it, and its results would
+    not be this sweep's)."""
+    path = variant.workdir / RECORD_FILE
+    if not path.exists():
         return None
-    record = read_json(done, "sweep record")
-    if record.get("args") != list(args):
+    record = read_json(path, "sweep record")
+    recorded = list(record.get("args") or [])
+    if recorded != list(args):
+        there = [a for a in recorded if a not in args]
+        here = [a for a in args if a not in recorded]
+        differ = "; ".join([*([f"it has {shlex.join(there)}"] if there else []),
+                            *([f"this sweep {shlex.join(here)}"] if here else [])])
         raise SweepError(f"{variant.workdir} holds a run with other arguments "
-                         f"({shlex.join(record.get('args', []))}); pass another --workdir or "
-                         "remove that folder")
-    path = variant.workdir / record["metrics_file"]
-    return path if path.exists() else None
+                         f"({differ or 'the same ones in another order'}); pass another "
+                         "--workdir or remove that folder")
+    if not record.get("metrics_file"):
+        return None  # started, not ended
+    metrics = variant.workdir / record["metrics_file"]
+    return metrics if metrics.exists() else None
 
 
 def _last_error(log: Path) -> str:
@@ -183,7 +192,8 @@ def _last_error(log: Path) -> str:
 
 def run_variant(variant: Variant, args: Sequence[str], split: str) -> Path:
     """Trains (or resumes) one value in a subprocess; returns its final metrics file."""
-    variant.workdir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(variant.workdir / RECORD_FILE, {"args": list(args), "metrics_file": None},
+                      indent=1)
     command = [sys.executable, "-m", "changecap_jax.main", *args,
                f"--workdir={variant.workdir}"]
     log = variant.workdir / LOG_FILE
@@ -199,7 +209,7 @@ def run_variant(variant: Variant, args: Sequence[str], split: str) -> Path:
     if metrics is None:
         raise SweepError(f"the run of {variant.workdir.name} wrote no {split} metrics into "
                          f"{variant.workdir / 'metrics'}")
-    write_json_atomic(variant.workdir / DONE_FILE, {
+    write_json_atomic(variant.workdir / RECORD_FILE, {
         "args": list(args), "metrics_file": str(metrics.relative_to(variant.workdir))},
         indent=1)
     return metrics

@@ -120,12 +120,16 @@ def test_values_take_the_fields_type(tmp_path):
         sweep.plan(config, "final_eval_splits", ["test"], tmp_path)
 
 
-def test_a_finished_run_with_other_arguments_is_an_error(tmp_path):
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_run_with_other_arguments_is_an_error(tmp_path, ended):
     variant = sweep.Variant(1, "1", tmp_path / f"{PARAM}=1")
     (variant.workdir / "metrics").mkdir(parents=True)
     (variant.workdir / "metrics" / "test_3.json").write_text('{"CIDEr": 1.0}')
-    (variant.workdir / sweep.DONE_FILE).write_text(json.dumps(
-        {"args": ["--config=a.py"], "metrics_file": "metrics/test_3.json"}))
-    assert sweep.finished(variant, ["--config=a.py"]) == variant.workdir / "metrics/test_3.json"
+    metrics_file = "metrics/test_3.json" if ended else None
+    (variant.workdir / sweep.RECORD_FILE).write_text(json.dumps(
+        {"args": ["--config=a.py"], "metrics_file": metrics_file}))
+    # Started and not ended: run again (the trainer resumes); ended: skipped.
+    assert sweep.finished(variant, ["--config=a.py"]) == (
+        variant.workdir / "metrics/test_3.json" if ended else None)
     with pytest.raises(sweep.SweepError, match="other arguments"):
         sweep.finished(variant, ["--config=b.py"])
