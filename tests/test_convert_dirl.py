@@ -42,8 +42,11 @@ from changecap_jax.convert import (  # noqa: E402
     WrongModelError,
     compare,
     converter,
-    mapping,
+    registry,
+    tables,
 )
+from changecap_jax.convert.models import dirl as dirl_converter  # noqa: E402
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     ConfigNode,
     load_torch_file,
@@ -141,11 +144,11 @@ def torch_states(enc, dec, what: str = "tensor") -> dict:
             return {k: p.grad.detach().numpy().copy() for k, p in module.named_parameters()}
         return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
-    return {mapping.ENCODER: grab(enc), mapping.DECODER: grab(dec)}
+    return {ENCODER: grab(enc), DECODER: grab(dec)}
 
 
-def sizes(feature_channels: int = RAW, vocab: int = VOCAB) -> mapping.Sizes:
-    return mapping.Sizes(vocab, SEQ, feature_channels, GRID, GRID, "test")
+def sizes(feature_channels: int = RAW, vocab: int = VOCAB) -> tables.Sizes:
+    return tables.Sizes(vocab, SEQ, feature_channels, GRID, GRID, "test")
 
 
 def diff(name: str, ours, ref, tol: float, *, rel: bool = False) -> tuple[float, float]:
@@ -197,8 +200,8 @@ def test_parity_forward_grad_adam_greedy(converted):
     variant, enc, dec, snapshot_path, workdir, config = converted
     params = compare.load_params(workdir)
     snap_states = torch_states(enc, dec)
-    entries = mapping.dirl_table(config.model, sizes())
-    converted_flat = mapping.apply_table(entries, snap_states)
+    entries = dirl_converter.table(config.model, sizes())
+    converted_flat = tables.apply_table(entries, snap_states)
     for path, value in converted_flat.items():  # the restored checkpoint holds the weights
         leaf = params
         for part in path.split("/"):
@@ -269,7 +272,7 @@ def test_parity_forward_grad_adam_greedy(converted):
     for module in (enc, dec):
         module.zero_grad()
     tdirl.dirl_losses(enc, dec, **tb)["total"].backward()
-    ref_grads = mapping.apply_table(entries, torch_states(enc, dec, "grad"))
+    ref_grads = tables.apply_table(entries, torch_states(enc, dec, "grad"))
     assert set(ref_grads) == set(flat_grads)
     largest = max(np.abs(g).max() for g in ref_grads.values())
     worst_rel, noise = 0.0, []
@@ -297,7 +300,7 @@ def test_parity_forward_grad_adam_greedy(converted):
         optax.apply_updates(params, updates), sep="/")
     torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=2e-4, betas=(0.9, 0.999),
                      eps=1e-8).step()
-    ref_stepped = mapping.apply_table(entries, torch_states(enc, dec))
+    ref_stepped = tables.apply_table(entries, torch_states(enc, dec))
     worst_adam, compared, skipped = 0.0, 0, sum(ref_grads[p].size for p in noise)
     for path, want in ref_stepped.items():
         if path in noise:
@@ -368,7 +371,7 @@ def test_default_sizes_complete(variant, total, tmp_path):
     snapshot = converter.OfficialSnapshot(tmp_path / "x.pt", states, None, None)
     config = dirl_configs.get_config(variant)
     config.dataset.data_dir = str(tmp_path / "no_data")
-    spec = mapping.get_spec("dirl")
+    spec = registry.converter_for("dirl")
     spec.check_identity(config.model, states, None)
     found = spec.sizes_from_states(config.model, states)
     assert (found.vocab_size, found.max_len, found.feature_channels, found.grid_height) == {
@@ -378,11 +381,11 @@ def test_default_sizes_complete(variant, total, tmp_path):
     assert report.num_params == total  # Appendix B unique parameter counts
     assert report.buffers_checked == ["speaker_state:core.position_enc.pe"]
     flat = flax.traverse_util.flatten_dict(params, sep="/")
-    in_proj = states[mapping.DECODER]["core.layer.1.cross_att.in_proj_weight"]
+    in_proj = states[DECODER]["core.layer.1.cross_att.in_proj_weight"]
     np.testing.assert_array_equal(flat["decoder/layer_1/cross_att/v_proj/kernel"],
                                   in_proj[1024:].T)
     np.testing.assert_array_equal(flat["encoder/img/kernel"],
-                                  states[mapping.ENCODER]["img.0.weight"][:, :, 0, 0].T)
+                                  states[ENCODER]["img.0.weight"][:, :, 0, 0].T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,15 +604,15 @@ def test_missing_unexpected_and_misshaped_keys(snapshots, tmp_path):
 def test_extra_parameter_policy(snapshots, tmp_path, monkeypatch):
     """The SCORER/CBR path (parameters the official snapshot lacks), exercised on DIRL by
     declaring its ``logit`` layer a non-official source."""
-    base = mapping.SPECS["dirl"]
+    base = registry.CONVERTERS["dirl"]
 
     def table(model, sizes):
         return [dataclasses.replace(e, source="generator") if e.key.startswith("logit.") else e
                 for e in base.table(model, sizes)]
 
     spec = dataclasses.replace(base, table=table, sources=(
-        *base.sources, mapping.Source("generator", False, "test head")))
-    monkeypatch.setitem(mapping.SPECS, "dirl", spec)
+        *base.sources, tables.Source("generator", False, "test head")))
+    monkeypatch.setitem(registry.CONVERTERS, "dirl", spec)
     enc, dec = snapshots["clevr_change_modules"]
     logit = {"logit.weight": dec.logit.weight.detach(), "logit.bias": dec.logit.bias.detach()}
     path = _edited(snapshots, tmp_path, lambda s: [s["speaker_state"].pop(k) for k in logit])
