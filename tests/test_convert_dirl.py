@@ -207,9 +207,16 @@ def test_parity_forward_grad_adam_greedy(converted):
         for part in path.split("/"):
             leaf = leaf[part]
         np.testing.assert_array_equal(np.asarray(leaf), value, err_msg=path)
-
-    # ---- forward (eval mode) -----------------------------------------------------------
     ours_batch, tb = make_batch(variant, B, seed=2)
+    _check_forward(variant, config, workdir, ours_batch, tb, enc, dec)
+    model, gradients = _check_gradients(variant, config, params, ours_batch, tb, enc, dec,
+                                        entries)
+    _check_adam_step(variant, config, params, gradients, enc, dec, entries, converted_flat)
+    _check_greedy(variant, model, params, snapshot_path, enc, dec)
+
+
+def _check_forward(variant, config, workdir, ours_batch, tb, enc, dec) -> None:
+    """Forward (eval mode): every intermediate of forward_outputs against the torch modules."""
     out = compare.forward_outputs(config, workdir, ours_batch)
     with torch.no_grad():
         ref = tdirl.dirl_losses(enc, dec, **tb)
@@ -222,33 +229,7 @@ def test_parity_forward_grad_adam_greedy(converted):
             worst[group] = (max(old[0], d[0]), max(old[1], d[1]))
 
         for stream in streams:
-            after_key, cap_key, tag = STREAMS[stream]
-            before = tb["before"]
-            after = tb["after_sc"] if stream == "semantic" else tb["after_nsc"]
-            labels = tb["labels"] if stream == "semantic" else tb["no_chg_labels"]
-            masks = tb["masks"] if stream == "semantic" else tb["no_chg_masks"]
-            e = enc(before, after)
-            d = e.diff_bef.shape[-1]
-            track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_before"],
-                  e.diff_bef)
-            track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_after"],
-                  e.diff_aft)
-            for side, x0 in (("before", e.input_bef), ("after", e.input_aft)):
-                mlp = enc.mlp(x0.reshape(-1, d)).reshape(x0.shape)
-                track("encoder MLP head", stream, out[f"encoder/{stream}/mlp_{side}"], mlp)
-            memory = dec.memory(e.diff_bef, e.diff_aft)
-            track("decoder memory", stream, out[f"decoder.memory/{stream}"], memory)
-            o = dec.decode(memory, labels, masks)
-            track("decoder logits", stream, out[f"logits/{stream}"], o.logits)
-            np.testing.assert_array_equal(out[f"decoder/{stream}/logits"],
-                                          out[f"logits/{stream}"])
-            track("CCR t / v", stream, out[f"decoder/{stream}/t"], o.t)
-            track("CCR t / v", stream, out[f"decoder/{stream}/v"], o.v)
-            name = f"cap_{tag}" if variant == "clevr_change" else "cap"
-            track("caption CE", stream, out[f"caption_ce/{stream}"], ref[name])
-            for aux in ("dirl", "ccr"):
-                name = f"{aux}_{tag}" if variant == "clevr_change" else aux
-                track(f"aux {aux}", stream, out[f"aux/{aux}/{stream}"], ref[name])
+            _track_stream(variant, stream, out, ref, tb, enc, dec, track)
         track("caption CE", "mean", out["caption_ce"], ref["cap"])
         track("aux dirl", "mean", out["aux/dirl"], ref["dirl"])
         track("aux ccr", "mean", out["aux/ccr"], ref["ccr"])
@@ -257,7 +238,41 @@ def test_parity_forward_grad_adam_greedy(converted):
         REPORT[f"{variant} {group}"] = (f"PARITY {variant:12s} {group:28s} max abs {a:.2e}  "
                                         f"max rel {r:.2e}")
 
-    # ---- gradients of the trainer's loss (8-device shard_map) vs torch backward ----------
+
+def _track_stream(variant, stream, out, ref, tb, enc, dec, track) -> None:
+    after_key, cap_key, tag = STREAMS[stream]
+    before = tb["before"]
+    after = tb["after_sc"] if stream == "semantic" else tb["after_nsc"]
+    labels = tb["labels"] if stream == "semantic" else tb["no_chg_labels"]
+    masks = tb["masks"] if stream == "semantic" else tb["no_chg_masks"]
+    e = enc(before, after)
+    d = e.diff_bef.shape[-1]
+    track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_before"],
+          e.diff_bef)
+    track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_after"],
+          e.diff_aft)
+    for side, x0 in (("before", e.input_bef), ("after", e.input_aft)):
+        mlp = enc.mlp(x0.reshape(-1, d)).reshape(x0.shape)
+        track("encoder MLP head", stream, out[f"encoder/{stream}/mlp_{side}"], mlp)
+    memory = dec.memory(e.diff_bef, e.diff_aft)
+    track("decoder memory", stream, out[f"decoder.memory/{stream}"], memory)
+    o = dec.decode(memory, labels, masks)
+    track("decoder logits", stream, out[f"logits/{stream}"], o.logits)
+    np.testing.assert_array_equal(out[f"decoder/{stream}/logits"],
+                                  out[f"logits/{stream}"])
+    track("CCR t / v", stream, out[f"decoder/{stream}/t"], o.t)
+    track("CCR t / v", stream, out[f"decoder/{stream}/v"], o.v)
+    name = f"cap_{tag}" if variant == "clevr_change" else "cap"
+    track("caption CE", stream, out[f"caption_ce/{stream}"], ref[name])
+    for aux in ("dirl", "ccr"):
+        name = f"{aux}_{tag}" if variant == "clevr_change" else aux
+        track(f"aux {aux}", stream, out[f"aux/{aux}/{stream}"], ref[name])
+
+
+def _check_gradients(variant, config, params, ours_batch, tb, enc, dec, entries):
+    """Gradients of the trainer's loss (8-device shard_map) vs torch backward; returns the
+    model and (our gradients, flat, torch's by Flax path, the float-noise paths, the largest
+    torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
     loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
@@ -290,8 +305,13 @@ def test_parity_forward_grad_adam_greedy(converted):
     REPORT[f"{variant} grads"] = (f"PARITY {variant:12s} {'gradients (per tensor)':28s} max rel "
                                   f"{worst_rel:.2e} over {len(ref_grads) - len(noise)} tensors; "
                                   f"{len(noise)} analytically-zero tensors: {noise}")
+    return model, (grads, flat_grads, ref_grads, noise, largest)
 
-    # ---- one Adam step: our make_optimizer (preset optim config) vs torch.optim.Adam -----
+
+def _check_adam_step(variant, config, params, gradients, enc, dec, entries,
+                     converted_flat) -> None:
+    """One Adam step: our make_optimizer (preset optim config) vs torch.optim.Adam."""
+    grads, flat_grads, ref_grads, noise, largest = gradients
     assert (config.optim.learning_rate, config.optim.b1, config.optim.b2, config.optim.eps) == (
         2e-4, 0.9, 0.999, 1e-8)
     optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch=100)
@@ -326,10 +346,12 @@ def test_parity_forward_grad_adam_greedy(converted):
                                  f"{worst_adam:.2e} over {compared} entries ({skipped} "
                                  "float-noise gradient entries not compared)")
 
-    # ---- greedy captions on 32 random pairs --------------------------------------------
-    # A random per-pair channel offset makes the untrained model's captions depend on the pair
-    # (the attention averages of i.i.d. tokens barely do); on DC, END gets a bias (on both sides)
-    # so that rows finish at different steps.
+
+def _check_greedy(variant, model, params, snapshot_path, enc, dec) -> None:
+    """Greedy captions on 32 random pairs. A random per-pair channel offset makes the
+    untrained model's captions depend on the pair (the attention averages of i.i.d. tokens
+    barely do); on DC, END gets a bias (on both sides) so that rows finish at different
+    steps."""
     end_bias = jnp.zeros(VOCAB).at[3].set(END_BIAS[variant])
     params["decoder"]["logit"]["bias"] = params["decoder"]["logit"]["bias"] + end_bias
     rng = np.random.default_rng(3)

@@ -167,9 +167,15 @@ def test_parity_forward_grad_adam_greedy(converted):
     assert set(flat_params) == set(converted_flat)
     for path, value in converted_flat.items():
         np.testing.assert_array_equal(np.asarray(flat_params[path]), value, err_msg=path)
-
-    # ---- forward (eval mode) -----------------------------------------------------------
     ours_batch, tb = make_batch(B, seed=2)
+    _check_forward(config, workdir, ours_batch, tb, enc, dec, gen)
+    model, gradients = _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries)
+    _check_adam_step(config, model, params, gradients, enc, dec, gen, entries, converted_flat)
+    _check_greedy(model, snapshot_path, enc, dec, gen, entries)
+
+
+def _check_forward(config, workdir, ours_batch, tb, enc, dec, gen) -> None:
+    """Forward (eval mode): every intermediate of forward_outputs against the torch modules."""
     out = compare.forward_outputs(config, workdir, ours_batch)
     worst: dict[str, tuple[float, float]] = {}
 
@@ -204,7 +210,11 @@ def test_parity_forward_grad_adam_greedy(converted):
     for group, (a, r) in worst.items():
         REPORT[group] = f"PARITY scorer {group:24s} max abs {a:.2e}  max rel {r:.2e}"
 
-    # ---- gradients of the trainer's loss (8-device shard_map) vs torch backward ----------
+
+def _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries):
+    """Gradients of the trainer's loss (8-device shard_map) vs torch backward; returns the
+    model and (our gradients, flat, torch's by Flax path, the float-noise paths, the largest
+    torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
     loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
@@ -236,8 +246,13 @@ def test_parity_forward_grad_adam_greedy(converted):
     assert not ref_grads["decoder/embed/embedding"][0].any()
     REPORT["grads"] = (f"PARITY scorer {'gradients (per tensor)':24s} max rel {worst_rel:.2e} "
                        f"over {len(ref_grads) - len(noise)} tensors; analytically zero: {noise}")
+    return model, (grads, flat_grads, ref_grads, noise, largest)
 
-    # ---- one Adam step (CBR frozen) + the logit-scale clamp ------------------------------
+
+def _check_adam_step(config, model, params, gradients, enc, dec, gen, entries,
+                     converted_flat) -> None:
+    """One Adam step (CBR frozen) + the logit-scale clamp."""
+    grads, flat_grads, ref_grads, noise, largest = gradients
     # Both sides start the step with the clamped scales above ln 100, so the clamp acts.
     last = "encoder/scorer_1/attention/logit_scale"
     start = jax.tree.map(jnp.asarray, params)
@@ -281,10 +296,12 @@ def test_parity_forward_grad_adam_greedy(converted):
                       f"{compared} entries ({skipped} float-noise gradient entries not compared);"
                       " CBR unchanged, clamp to ln 100 matches")
 
-    # ---- greedy captions on 32 random pairs --------------------------------------------
-    # The Speaker's N(0, 0.02) init makes an untrained model's captions nearly independent of
-    # the pair: the (pre-step) decoder matrices are scaled by 10 and END gets a bias of 4, on
-    # the torch side, and the edited weights go through the key table again.
+
+def _check_greedy(model, snapshot_path, enc, dec, gen, entries) -> None:
+    """Greedy captions on 32 random pairs. The Speaker's N(0, 0.02) init makes an untrained
+    model's captions nearly independent of the pair: the (pre-step) decoder matrices are
+    scaled by 10 and END gets a bias of 4, on the torch side, and the edited weights go
+    through the key table again."""
     rng = np.random.default_rng(3)
     before, after = (rng.random((32, GRID, GRID, RAW), dtype=np.float32)
                      + 3 * rng.standard_normal((32, 1, 1, RAW), dtype=np.float32)

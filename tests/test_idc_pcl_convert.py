@@ -269,20 +269,9 @@ def pretraining_dict(ref: tref.IDCPCL, path: Path, step: int = 1234) -> None:
                 "task_batch_num": {"mlm": 900, "mvcl": 110, "fda": 224}}, path)
 
 
-def test_pretraining_checkpoint_into_the_pretraining_model(setup):
-    tmp, data_dir, vocab, channels, table = setup
-    ref = torch_model("pretrain", len(table), channels, seed=5)
-    path = tmp / "pretrain_checkpoint.pt"
-    pretraining_dict(ref, path)
-    config = make_config("pretrain", data_dir)
-    workdir = tmp / "pretrain_workdir"
-    report = converter.convert_checkpoint(config, path, workdir, dict_json=tmp / "dict.json")
-    assert report.step == 1234 and not report.fresh and not report.saved_data_iterator
-    assert "tied" in " ".join(report.dropped) and "task_batch_num" in str(report.notes)
-    params = compare.load_params(workdir)
-    model = models.build(config.model, vocab_size=len(vocab), max_len=12)
-    to_official = trunk_to_official(vocab, table)
-
+def pretraining_batch(vocab, channels: int, to_official: np.ndarray) -> tuple:
+    """A pretraining batch: ids, MLM labels (ours and the dict.json ids), the masked regions
+    of either image, their features, and the two images with those regions zeroed."""
     b, length, n = 14, 12, 16  # two FDA groups of 7; 4x4 grids
     img1, img2 = pairs(b, (4, 4, channels), seed=6)
     rng = np.random.default_rng(7)
@@ -297,6 +286,24 @@ def test_pretraining_checkpoint_into_the_pretraining_model(setup):
     img_label = np.concatenate([img1.reshape(b, n, -1), img2.reshape(b, n, -1)], 1)
     m1 = img1 * ~img_mask[:, :n].reshape(b, 4, 4, 1)
     m2 = img2 * ~img_mask[:, n:].reshape(b, 4, 4, 1)
+    return ids, labels, t_labels, img_mask, img_label, m1, m2
+
+
+def test_pretraining_checkpoint_into_the_pretraining_model(setup):
+    tmp, data_dir, vocab, channels, table = setup
+    ref = torch_model("pretrain", len(table), channels, seed=5)
+    path = tmp / "pretrain_checkpoint.pt"
+    pretraining_dict(ref, path)
+    config = make_config("pretrain", data_dir)
+    workdir = tmp / "pretrain_workdir"
+    report = converter.convert_checkpoint(config, path, workdir, dict_json=tmp / "dict.json")
+    assert report.step == 1234 and not report.fresh and not report.saved_data_iterator
+    assert "tied" in " ".join(report.dropped) and "task_batch_num" in str(report.notes)
+    params = compare.load_params(workdir)
+    model = models.build(config.model, vocab_size=len(vocab), max_len=12)
+    to_official = trunk_to_official(vocab, table)
+    ids, labels, t_labels, img_mask, img_label, m1, m2 = pretraining_batch(vocab, channels,
+                                                                            to_official)
 
     out_t = ref.pretrain_forward(t_tokens(m1), t_tokens(m2), torch.from_numpy(to_official[ids]))
     mlm_t = tref.mlm_token_losses(out_t.mlm_logits, torch.from_numpy(t_labels))
@@ -387,14 +394,10 @@ def test_dict_json_words_the_dataset_lacks_are_dropped(setup):
     check("logits at the kept rows", out.mlm_logits, out_t.mlm_logits[..., to_official])
 
 
-def test_errors_name_the_problem(setup):
-    tmp, data_dir, vocab, channels, table = setup
-    config = make_config("finetune", data_dir)
-    ref = torch_model("finetune", len(table), channels, seed=12)
-    state = ref.state_dict()
-    good = tmp / "good.pt"
-    torch.save(state, good)
-
+def check_width_and_dict_json_errors(tmp: Path, data_dir: str, config, good: Path,
+                                     table: dict) -> None:
+    """A feature width other than the checkpoint's, no --dict_json, and three wrong dict.json
+    files (workdirs e0..e4)."""
     wrong_width = make_config("finetune", data_dir)
     wrong_width.model.image_dim = 8
     with pytest.raises(ConversionError, match="image_dim = 8 but the features have 16"):
@@ -417,6 +420,17 @@ def test_errors_name_the_problem(setup):
     with pytest.raises(ConversionError, match=f"1 words of the dataset vocabulary.*{lost}"):
         converter.convert_checkpoint(config, good, tmp / "e4",
                                      dict_json=tmp / "missing_word.json")
+
+
+def test_errors_name_the_problem(setup):
+    tmp, data_dir, vocab, channels, table = setup
+    config = make_config("finetune", data_dir)
+    ref = torch_model("finetune", len(table), channels, seed=12)
+    state = ref.state_dict()
+    good = tmp / "good.pt"
+    torch.save(state, good)
+
+    check_width_and_dict_json_errors(tmp, data_dir, config, good, table)
 
     broken = dict(state)
     del broken["encoder.layers.1.attn.out.bias"]
