@@ -42,6 +42,7 @@ from changecap_jax import synthetic_inputs as si
 from changecap_jax.convert import converter, registry, tables
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
+from changecap_jax.data import datasets, pipeline
 from changecap_jax.reproduce import official as off
 from changecap_jax.reproduce.adapters import (
     Adapter,
@@ -104,8 +105,6 @@ class Result:
 
 def dataset_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs:
     """Training batches of the config's dataset, as the trainer draws them."""
-    from changecap_jax.data import datasets, pipeline
-
     ds = config.dataset
     try:
         dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
