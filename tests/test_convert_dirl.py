@@ -42,8 +42,11 @@ from changecap_jax.convert import (  # noqa: E402
     WrongModelError,
     compare,
     converter,
-    mapping,
+    registry,
+    tables,
 )
+from changecap_jax.convert.models import dirl as dirl_converter  # noqa: E402
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     ConfigNode,
     load_torch_file,
@@ -141,11 +144,11 @@ def torch_states(enc, dec, what: str = "tensor") -> dict:
             return {k: p.grad.detach().numpy().copy() for k, p in module.named_parameters()}
         return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
-    return {mapping.ENCODER: grab(enc), mapping.DECODER: grab(dec)}
+    return {ENCODER: grab(enc), DECODER: grab(dec)}
 
 
-def sizes(feature_channels: int = RAW, vocab: int = VOCAB) -> mapping.Sizes:
-    return mapping.Sizes(vocab, SEQ, feature_channels, GRID, GRID, "test")
+def sizes(feature_channels: int = RAW, vocab: int = VOCAB) -> tables.Sizes:
+    return tables.Sizes(vocab, SEQ, feature_channels, GRID, GRID, "test")
 
 
 def diff(name: str, ours, ref, tol: float, *, rel: bool = False) -> tuple[float, float]:
@@ -197,16 +200,23 @@ def test_parity_forward_grad_adam_greedy(converted):
     variant, enc, dec, snapshot_path, workdir, config = converted
     params = compare.load_params(workdir)
     snap_states = torch_states(enc, dec)
-    entries = mapping.dirl_table(config.model, sizes())
-    converted_flat = mapping.apply_table(entries, snap_states)
+    entries = dirl_converter.table(config.model, sizes())
+    converted_flat = tables.apply_table(entries, snap_states)
     for path, value in converted_flat.items():  # the restored checkpoint holds the weights
         leaf = params
         for part in path.split("/"):
             leaf = leaf[part]
         np.testing.assert_array_equal(np.asarray(leaf), value, err_msg=path)
-
-    # ---- forward (eval mode) -----------------------------------------------------------
     ours_batch, tb = make_batch(variant, B, seed=2)
+    _check_forward(variant, config, workdir, ours_batch, tb, enc, dec)
+    model, gradients = _check_gradients(variant, config, params, ours_batch, tb, enc, dec,
+                                        entries)
+    _check_adam_step(variant, config, params, gradients, enc, dec, entries, converted_flat)
+    _check_greedy(variant, model, params, snapshot_path, enc, dec)
+
+
+def _check_forward(variant, config, workdir, ours_batch, tb, enc, dec) -> None:
+    """Forward (eval mode): every intermediate of forward_outputs against the torch modules."""
     out = compare.forward_outputs(config, workdir, ours_batch)
     with torch.no_grad():
         ref = tdirl.dirl_losses(enc, dec, **tb)
@@ -219,33 +229,7 @@ def test_parity_forward_grad_adam_greedy(converted):
             worst[group] = (max(old[0], d[0]), max(old[1], d[1]))
 
         for stream in streams:
-            after_key, cap_key, tag = STREAMS[stream]
-            before = tb["before"]
-            after = tb["after_sc"] if stream == "semantic" else tb["after_nsc"]
-            labels = tb["labels"] if stream == "semantic" else tb["no_chg_labels"]
-            masks = tb["masks"] if stream == "semantic" else tb["no_chg_masks"]
-            e = enc(before, after)
-            d = e.diff_bef.shape[-1]
-            track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_before"],
-                  e.diff_bef)
-            track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_after"],
-                  e.diff_aft)
-            for side, x0 in (("before", e.input_bef), ("after", e.input_aft)):
-                mlp = enc.mlp(x0.reshape(-1, d)).reshape(x0.shape)
-                track("encoder MLP head", stream, out[f"encoder/{stream}/mlp_{side}"], mlp)
-            memory = dec.memory(e.diff_bef, e.diff_aft)
-            track("decoder memory", stream, out[f"decoder.memory/{stream}"], memory)
-            o = dec.decode(memory, labels, masks)
-            track("decoder logits", stream, out[f"logits/{stream}"], o.logits)
-            np.testing.assert_array_equal(out[f"decoder/{stream}/logits"],
-                                          out[f"logits/{stream}"])
-            track("CCR t / v", stream, out[f"decoder/{stream}/t"], o.t)
-            track("CCR t / v", stream, out[f"decoder/{stream}/v"], o.v)
-            name = f"cap_{tag}" if variant == "clevr_change" else "cap"
-            track("caption CE", stream, out[f"caption_ce/{stream}"], ref[name])
-            for aux in ("dirl", "ccr"):
-                name = f"{aux}_{tag}" if variant == "clevr_change" else aux
-                track(f"aux {aux}", stream, out[f"aux/{aux}/{stream}"], ref[name])
+            _track_stream(variant, stream, out, ref, tb, enc, dec, track)
         track("caption CE", "mean", out["caption_ce"], ref["cap"])
         track("aux dirl", "mean", out["aux/dirl"], ref["dirl"])
         track("aux ccr", "mean", out["aux/ccr"], ref["ccr"])
@@ -254,7 +238,41 @@ def test_parity_forward_grad_adam_greedy(converted):
         REPORT[f"{variant} {group}"] = (f"PARITY {variant:12s} {group:28s} max abs {a:.2e}  "
                                         f"max rel {r:.2e}")
 
-    # ---- gradients of the trainer's loss (8-device shard_map) vs torch backward ----------
+
+def _track_stream(variant, stream, out, ref, tb, enc, dec, track) -> None:
+    after_key, cap_key, tag = STREAMS[stream]
+    before = tb["before"]
+    after = tb["after_sc"] if stream == "semantic" else tb["after_nsc"]
+    labels = tb["labels"] if stream == "semantic" else tb["no_chg_labels"]
+    masks = tb["masks"] if stream == "semantic" else tb["no_chg_masks"]
+    e = enc(before, after)
+    d = e.diff_bef.shape[-1]
+    track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_before"],
+          e.diff_bef)
+    track("encoder diff_bef/diff_aft", stream, out[f"encoder/{stream}/diff_after"],
+          e.diff_aft)
+    for side, x0 in (("before", e.input_bef), ("after", e.input_aft)):
+        mlp = enc.mlp(x0.reshape(-1, d)).reshape(x0.shape)
+        track("encoder MLP head", stream, out[f"encoder/{stream}/mlp_{side}"], mlp)
+    memory = dec.memory(e.diff_bef, e.diff_aft)
+    track("decoder memory", stream, out[f"decoder.memory/{stream}"], memory)
+    o = dec.decode(memory, labels, masks)
+    track("decoder logits", stream, out[f"logits/{stream}"], o.logits)
+    np.testing.assert_array_equal(out[f"decoder/{stream}/logits"],
+                                  out[f"logits/{stream}"])
+    track("CCR t / v", stream, out[f"decoder/{stream}/t"], o.t)
+    track("CCR t / v", stream, out[f"decoder/{stream}/v"], o.v)
+    name = f"cap_{tag}" if variant == "clevr_change" else "cap"
+    track("caption CE", stream, out[f"caption_ce/{stream}"], ref[name])
+    for aux in ("dirl", "ccr"):
+        name = f"{aux}_{tag}" if variant == "clevr_change" else aux
+        track(f"aux {aux}", stream, out[f"aux/{aux}/{stream}"], ref[name])
+
+
+def _check_gradients(variant, config, params, ours_batch, tb, enc, dec, entries):
+    """Gradients of the trainer's loss (8-device shard_map) vs torch backward; returns the
+    model and (our gradients, flat, torch's by Flax path, the float-noise paths, the largest
+    torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
     loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
@@ -269,7 +287,7 @@ def test_parity_forward_grad_adam_greedy(converted):
     for module in (enc, dec):
         module.zero_grad()
     tdirl.dirl_losses(enc, dec, **tb)["total"].backward()
-    ref_grads = mapping.apply_table(entries, torch_states(enc, dec, "grad"))
+    ref_grads = tables.apply_table(entries, torch_states(enc, dec, "grad"))
     assert set(ref_grads) == set(flat_grads)
     largest = max(np.abs(g).max() for g in ref_grads.values())
     worst_rel, noise = 0.0, []
@@ -287,8 +305,13 @@ def test_parity_forward_grad_adam_greedy(converted):
     REPORT[f"{variant} grads"] = (f"PARITY {variant:12s} {'gradients (per tensor)':28s} max rel "
                                   f"{worst_rel:.2e} over {len(ref_grads) - len(noise)} tensors; "
                                   f"{len(noise)} analytically-zero tensors: {noise}")
+    return model, (grads, flat_grads, ref_grads, noise, largest)
 
-    # ---- one Adam step: our make_optimizer (preset optim config) vs torch.optim.Adam -----
+
+def _check_adam_step(variant, config, params, gradients, enc, dec, entries,
+                     converted_flat) -> None:
+    """One Adam step: our make_optimizer (preset optim config) vs torch.optim.Adam."""
+    grads, flat_grads, ref_grads, noise, largest = gradients
     assert (config.optim.learning_rate, config.optim.b1, config.optim.b2, config.optim.eps) == (
         2e-4, 0.9, 0.999, 1e-8)
     optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch=100)
@@ -297,7 +320,7 @@ def test_parity_forward_grad_adam_greedy(converted):
         optax.apply_updates(params, updates), sep="/")
     torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=2e-4, betas=(0.9, 0.999),
                      eps=1e-8).step()
-    ref_stepped = mapping.apply_table(entries, torch_states(enc, dec))
+    ref_stepped = tables.apply_table(entries, torch_states(enc, dec))
     worst_adam, compared, skipped = 0.0, 0, sum(ref_grads[p].size for p in noise)
     for path, want in ref_stepped.items():
         if path in noise:
@@ -323,10 +346,12 @@ def test_parity_forward_grad_adam_greedy(converted):
                                  f"{worst_adam:.2e} over {compared} entries ({skipped} "
                                  "float-noise gradient entries not compared)")
 
-    # ---- greedy captions on 32 random pairs --------------------------------------------
-    # A random per-pair channel offset makes the untrained model's captions depend on the pair
-    # (the attention averages of i.i.d. tokens barely do); on DC, END gets a bias (on both sides)
-    # so that rows finish at different steps.
+
+def _check_greedy(variant, model, params, snapshot_path, enc, dec) -> None:
+    """Greedy captions on 32 random pairs. A random per-pair channel offset makes the
+    untrained model's captions depend on the pair (the attention averages of i.i.d. tokens
+    barely do); on DC, END gets a bias (on both sides) so that rows finish at different
+    steps."""
     end_bias = jnp.zeros(VOCAB).at[3].set(END_BIAS[variant])
     params["decoder"]["logit"]["bias"] = params["decoder"]["logit"]["bias"] + end_bias
     rng = np.random.default_rng(3)
@@ -368,7 +393,7 @@ def test_default_sizes_complete(variant, total, tmp_path):
     snapshot = converter.OfficialSnapshot(tmp_path / "x.pt", states, None, None)
     config = dirl_configs.get_config(variant)
     config.dataset.data_dir = str(tmp_path / "no_data")
-    spec = mapping.get_spec("dirl")
+    spec = registry.converter_for("dirl")
     spec.check_identity(config.model, states, None)
     found = spec.sizes_from_states(config.model, states)
     assert (found.vocab_size, found.max_len, found.feature_channels, found.grid_height) == {
@@ -378,11 +403,11 @@ def test_default_sizes_complete(variant, total, tmp_path):
     assert report.num_params == total  # Appendix B unique parameter counts
     assert report.buffers_checked == ["speaker_state:core.position_enc.pe"]
     flat = flax.traverse_util.flatten_dict(params, sep="/")
-    in_proj = states[mapping.DECODER]["core.layer.1.cross_att.in_proj_weight"]
+    in_proj = states[DECODER]["core.layer.1.cross_att.in_proj_weight"]
     np.testing.assert_array_equal(flat["decoder/layer_1/cross_att/v_proj/kernel"],
                                   in_proj[1024:].T)
     np.testing.assert_array_equal(flat["encoder/img/kernel"],
-                                  states[mapping.ENCODER]["img.0.weight"][:, :, 0, 0].T)
+                                  states[ENCODER]["img.0.weight"][:, :, 0, 0].T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,15 +626,15 @@ def test_missing_unexpected_and_misshaped_keys(snapshots, tmp_path):
 def test_extra_parameter_policy(snapshots, tmp_path, monkeypatch):
     """The SCORER/CBR path (parameters the official snapshot lacks), exercised on DIRL by
     declaring its ``logit`` layer a non-official source."""
-    base = mapping.SPECS["dirl"]
+    base = registry.CONVERTERS["dirl"]
 
     def table(model, sizes):
         return [dataclasses.replace(e, source="generator") if e.key.startswith("logit.") else e
                 for e in base.table(model, sizes)]
 
     spec = dataclasses.replace(base, table=table, sources=(
-        *base.sources, mapping.Source("generator", False, "test head")))
-    monkeypatch.setitem(mapping.SPECS, "dirl", spec)
+        *base.sources, tables.Source("generator", False, "test head")))
+    monkeypatch.setitem(registry.CONVERTERS, "dirl", spec)
     enc, dec = snapshots["clevr_change_modules"]
     logit = {"logit.weight": dec.logit.weight.detach(), "logit.bias": dec.logit.bias.detach()}
     path = _edited(snapshots, tmp_path, lambda s: [s["speaker_state"].pop(k) for k in logit])

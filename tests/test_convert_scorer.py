@@ -35,8 +35,12 @@ from changecap_jax.convert import (  # noqa: E402
     WrongModelError,
     compare,
     converter,
-    mapping,
+    registry,
+    tables,
 )
+from changecap_jax.convert.models import scorer as scorer_converter  # noqa: E402
+from changecap_jax.convert.models.scorer import GENERATOR  # noqa: E402
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -122,11 +126,11 @@ def torch_states(enc, dec, gen, what: str = "tensor") -> dict:
                     else p.grad.detach().numpy().copy() for k, p in module.named_parameters()}
         return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
-    return {mapping.ENCODER: grab(enc), mapping.DECODER: grab(dec), mapping.GENERATOR: grab(gen)}
+    return {ENCODER: grab(enc), DECODER: grab(dec), GENERATOR: grab(gen)}
 
 
-def sizes() -> mapping.Sizes:
-    return mapping.Sizes(VOCAB, SEQ, RAW, GRID, GRID, "test")
+def sizes() -> tables.Sizes:
+    return tables.Sizes(VOCAB, SEQ, RAW, GRID, GRID, "test")
 
 
 def diff(name: str, ours, ref, tol: float, *, rel: bool = False) -> tuple[float, float]:
@@ -157,15 +161,21 @@ def converted(tmp_path_factory):
 def test_parity_forward_grad_adam_greedy(converted):
     enc, dec, gen, snapshot_path, workdir, config = converted
     params = compare.load_params(workdir)
-    entries = mapping.scorer_table(config.model, sizes())
-    converted_flat = mapping.apply_table(entries, torch_states(enc, dec, gen))
+    entries = scorer_converter.table(config.model, sizes())
+    converted_flat = tables.apply_table(entries, torch_states(enc, dec, gen))
     flat_params = flax.traverse_util.flatten_dict(params, sep="/")
     assert set(flat_params) == set(converted_flat)
     for path, value in converted_flat.items():
         np.testing.assert_array_equal(np.asarray(flat_params[path]), value, err_msg=path)
-
-    # ---- forward (eval mode) -----------------------------------------------------------
     ours_batch, tb = make_batch(B, seed=2)
+    _check_forward(config, workdir, ours_batch, tb, enc, dec, gen)
+    model, gradients = _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries)
+    _check_adam_step(config, model, params, gradients, enc, dec, gen, entries, converted_flat)
+    _check_greedy(model, snapshot_path, enc, dec, gen, entries)
+
+
+def _check_forward(config, workdir, ours_batch, tb, enc, dec, gen) -> None:
+    """Forward (eval mode): every intermediate of forward_outputs against the torch modules."""
     out = compare.forward_outputs(config, workdir, ours_batch)
     worst: dict[str, tuple[float, float]] = {}
 
@@ -200,7 +210,11 @@ def test_parity_forward_grad_adam_greedy(converted):
     for group, (a, r) in worst.items():
         REPORT[group] = f"PARITY scorer {group:24s} max abs {a:.2e}  max rel {r:.2e}"
 
-    # ---- gradients of the trainer's loss (8-device shard_map) vs torch backward ----------
+
+def _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries):
+    """Gradients of the trainer's loss (8-device shard_map) vs torch backward; returns the
+    model and (our gradients, flat, torch's by Flax path, the float-noise paths, the largest
+    torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
     loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
@@ -216,8 +230,8 @@ def test_parity_forward_grad_adam_greedy(converted):
         module.zero_grad()
     tscorer.scorer_losses(enc, dec, gen, **tb)["total"].backward()
     torch_grads = torch_states(enc, dec, gen, "grad")
-    torch_grads.pop(mapping.GENERATOR)  # CBR is frozen: only encoder / decoder grads matter
-    ref_grads = mapping.apply_table(entries, torch_grads)
+    torch_grads.pop(GENERATOR)  # CBR is frozen: only encoder / decoder grads matter
+    ref_grads = tables.apply_table(entries, torch_grads)
     assert set(ref_grads) == {p for p in flat_grads if not p.startswith("cbr/")}
     largest = max(np.abs(g).max() for g in ref_grads.values())
     worst_rel, noise = 0.0, []
@@ -232,8 +246,13 @@ def test_parity_forward_grad_adam_greedy(converted):
     assert not ref_grads["decoder/embed/embedding"][0].any()
     REPORT["grads"] = (f"PARITY scorer {'gradients (per tensor)':24s} max rel {worst_rel:.2e} "
                        f"over {len(ref_grads) - len(noise)} tensors; analytically zero: {noise}")
+    return model, (grads, flat_grads, ref_grads, noise, largest)
 
-    # ---- one Adam step (CBR frozen) + the logit-scale clamp ------------------------------
+
+def _check_adam_step(config, model, params, gradients, enc, dec, gen, entries,
+                     converted_flat) -> None:
+    """One Adam step (CBR frozen) + the logit-scale clamp."""
+    grads, flat_grads, ref_grads, noise, largest = gradients
     # Both sides start the step with the clamped scales above ln 100, so the clamp acts.
     last = "encoder/scorer_1/attention/logit_scale"
     start = jax.tree.map(jnp.asarray, params)
@@ -250,7 +269,7 @@ def test_parity_forward_grad_adam_greedy(converted):
     torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=2e-4, betas=(0.9, 0.999),
                      eps=1e-8).step()
     tscorer.clamp_logit_scales(enc, gen)
-    ref_stepped = mapping.apply_table(entries, torch_states(enc, dec, gen))
+    ref_stepped = tables.apply_table(entries, torch_states(enc, dec, gen))
     assert float(ref_stepped[last]) == pytest.approx(LN100, abs=1e-7)
     np.testing.assert_allclose(stepped[last], LN100, atol=1e-6)
     np.testing.assert_allclose(stepped["cbr/contra/logit_scale"], LN100, atol=1e-6)
@@ -277,10 +296,12 @@ def test_parity_forward_grad_adam_greedy(converted):
                       f"{compared} entries ({skipped} float-noise gradient entries not compared);"
                       " CBR unchanged, clamp to ln 100 matches")
 
-    # ---- greedy captions on 32 random pairs --------------------------------------------
-    # The Speaker's N(0, 0.02) init makes an untrained model's captions nearly independent of
-    # the pair: the (pre-step) decoder matrices are scaled by 10 and END gets a bias of 4, on
-    # the torch side, and the edited weights go through the key table again.
+
+def _check_greedy(model, snapshot_path, enc, dec, gen, entries) -> None:
+    """Greedy captions on 32 random pairs. The Speaker's N(0, 0.02) init makes an untrained
+    model's captions nearly independent of the pair: the (pre-step) decoder matrices are
+    scaled by 10 and END gets a bias of 4, on the torch side, and the edited weights go
+    through the key table again."""
     rng = np.random.default_rng(3)
     before, after = (rng.random((32, GRID, GRID, RAW), dtype=np.float32)
                      + 3 * rng.standard_normal((32, 1, 1, RAW), dtype=np.float32)
@@ -297,7 +318,7 @@ def test_parity_forward_grad_adam_greedy(converted):
         ref_ids = tscorer.sample(dec, memory, sample_max=True, max_len=SEQ).ids
     edited = flax.traverse_util.unflatten_dict(
         {k: jnp.asarray(v) for k, v in
-         mapping.apply_table(entries, torch_states(enc, dec, gen)).items()}, sep="/")
+         tables.apply_table(entries, torch_states(enc, dec, gen)).items()}, sep="/")
     ours_ids = decoding.greedy_decode(model, {"params": edited}, jnp.asarray(before),
                                       jnp.asarray(after), max_len=SEQ).ids
     np.testing.assert_array_equal(np.asarray(ours_ids), ref_ids.numpy())
@@ -314,20 +335,20 @@ def test_default_sizes_complete(tmp_path):
     torch.manual_seed(0)
     enc, dec, gen = tscorer.ChangeDetector(), tscorer.Speaker(), tscorer.CBR()
     states = torch_states(enc, dec, gen)
-    extra = {mapping.GENERATOR: states.pop(mapping.GENERATOR)}
+    extra = {GENERATOR: states.pop(GENERATOR)}
     snapshot = converter.OfficialSnapshot(tmp_path / "x.pt", states, None, None)
     config = scorer_configs.get_config("clevr_change")
     config.dataset.data_dir = str(tmp_path / "no_data")
-    spec = mapping.get_spec("scorer")
+    spec = registry.converter_for("scorer")
     spec.check_identity(config.model, states, None)
     found = spec.sizes_from_states(config.model, states)
     assert (found.vocab_size, found.max_len, found.feature_channels, found.grid_height) == (
         76, 24, 1024, 14)
     entries = spec.table(config.model, found)
     count = {s: sum(int(np.prod(e.shape)) for e in entries if e.source == s and e.targets)
-             for s in (mapping.ENCODER, mapping.DECODER, mapping.GENERATOR)}
-    assert count == {mapping.ENCODER: 2_635_778, mapping.DECODER: 4_425_564,
-                     mapping.GENERATOR: 2_361_345}
+             for s in (ENCODER, DECODER, GENERATOR)}
+    assert count == {ENCODER: 2_635_778, DECODER: 4_425_564,
+                     GENERATOR: 2_361_345}
     report = converter.ConversionReport("x", "scorer", None, found, None)
     params = converter.convert_params(config, snapshot, found, extra_states=extra,
                                       report=report)
@@ -335,10 +356,10 @@ def test_default_sizes_complete(tmp_path):
     assert report.buffers_checked == ["speaker_state:core.position_enc.pe"]
     assert not report.initialised
     flat = flax.traverse_util.flatten_dict(params, sep="/")
-    in_proj = extra[mapping.GENERATOR]["mh_att.in_proj_weight"]
+    in_proj = extra[GENERATOR]["mh_att.in_proj_weight"]
     np.testing.assert_array_equal(flat["cbr/mh_att/v_proj/kernel"], in_proj[1024:].T)
     np.testing.assert_array_equal(flat["encoder/img_0/kernel"],
-                                  states[mapping.ENCODER]["img.0.weight"][:, :, 0, 0].T)
+                                  states[ENCODER]["img.0.weight"][:, :, 0, 0].T)
 
 
 @pytest.fixture(scope="module")

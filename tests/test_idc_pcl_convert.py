@@ -44,8 +44,11 @@ from changecap_jax.convert import (  # noqa: E402
     WrongModelError,
     compare,
     converter,
-    mapping,
+    registry,
+    tables,
 )
+from changecap_jax.convert.models import idc_dict_json  # noqa: E402
+from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import IDC_STATE  # noqa: E402
 from changecap_jax.models import idc_pcl  # noqa: E402
 
@@ -80,7 +83,7 @@ def make_config(stage: str, data_dir: str):
 def write_dict_json(path: Path, vocab, extra: tuple[str, ...] = (), seed: int = 0) -> dict:
     """The authors' layout: the six specials, then the dataset's words (and ``extra`` words the
     dataset lacks) in a shuffled order."""
-    trunk_specials = set(mapping.TRUNK_FROM_DICT)
+    trunk_specials = set(idc_dict_json.TRUNK_FROM_DICT)
     words = [vocab.id_to_word[i] for i in range(len(vocab))
              if vocab.id_to_word[i] not in trunk_specials] + list(extra)
     order = np.random.default_rng(seed).permutation(len(words))
@@ -111,7 +114,7 @@ def torch_model(stage: str, num_tokens: int, channels: int, seed: int,
 
 def trunk_to_official(vocab, table: dict) -> np.ndarray:
     """Our token id (vocabulary + [MASK], [CLS]) -> the dict.json id."""
-    names = [mapping.TRUNK_FROM_DICT.get(vocab.id_to_word[i], vocab.id_to_word[i])
+    names = [idc_dict_json.TRUNK_FROM_DICT.get(vocab.id_to_word[i], vocab.id_to_word[i])
              for i in range(len(vocab))] + ["<MASK>", "<CLS>"]
     return np.array([table[n] for n in names])
 
@@ -125,12 +128,12 @@ def check(name: str, ours, ref, tol: float = TOL, *, rel: bool = False) -> None:
     assert d <= limit, f"{name}: max |diff| {d:.3g} > {limit:.3g}"
 
 
-def check_grads(ours: dict, ref_named: dict, config, sizes: mapping.Sizes) -> None:
+def check_grads(ours: dict, ref_named: dict, config, sizes: tables.Sizes) -> None:
     """Torch gradients mapped by the converter's own table (rows permuted, kernels
     transposed) against ours, within GRAD_TOL of each tensor's largest entry; a gradient that
     is zero in exact arithmetic (k_linear.bias) is held to 1e-7 absolute."""
-    entries = mapping.idc_table(config.model, sizes)
-    want = mapping.apply_table(entries, {IDC_STATE: ref_named})
+    entries = idc_converter.table(config.model, sizes)
+    want = tables.apply_table(entries, {IDC_STATE: ref_named})
     ours = flax.traverse_util.flatten_dict(ours, sep="/")
     assert set(want) == set(ours), set(want) ^ set(ours)
     for path, g in want.items():
@@ -244,8 +247,8 @@ def test_finetune_checkpoint_converted_by_the_command(setup, finetune_converted)
     check("MLM per-token CE", np.asarray(per_token)[np.asarray(keep)], per_token_t)
     check("distractor CE", per_pair, diff_t)
     check("summed loss", loss, loss_t, rel=True)
-    sizes = mapping.Sizes(len(vocab), STEPS, channels, 4, 4, "test",
-                          token_rows=mapping.dict_json_token_rows(
+    sizes = tables.Sizes(len(vocab), STEPS, channels, 4, 4, "test",
+                          token_rows=idc_dict_json.dict_json_token_rows(
                               config.model, vocab, tmp / "dict.json", len(table)))
     named = {k.removeprefix("module."): p.grad.numpy() for k, p in ref.named_parameters()}
     check_grads(grads, named, config, sizes)
@@ -266,20 +269,9 @@ def pretraining_dict(ref: tref.IDCPCL, path: Path, step: int = 1234) -> None:
                 "task_batch_num": {"mlm": 900, "mvcl": 110, "fda": 224}}, path)
 
 
-def test_pretraining_checkpoint_into_the_pretraining_model(setup):
-    tmp, data_dir, vocab, channels, table = setup
-    ref = torch_model("pretrain", len(table), channels, seed=5)
-    path = tmp / "pretrain_checkpoint.pt"
-    pretraining_dict(ref, path)
-    config = make_config("pretrain", data_dir)
-    workdir = tmp / "pretrain_workdir"
-    report = converter.convert_checkpoint(config, path, workdir, dict_json=tmp / "dict.json")
-    assert report.step == 1234 and not report.fresh and not report.saved_data_iterator
-    assert "tied" in " ".join(report.dropped) and "task_batch_num" in str(report.notes)
-    params = compare.load_params(workdir)
-    model = models.build(config.model, vocab_size=len(vocab), max_len=12)
-    to_official = trunk_to_official(vocab, table)
-
+def pretraining_batch(vocab, channels: int, to_official: np.ndarray) -> tuple:
+    """A pretraining batch: ids, MLM labels (ours and the dict.json ids), the masked regions
+    of either image, their features, and the two images with those regions zeroed."""
     b, length, n = 14, 12, 16  # two FDA groups of 7; 4x4 grids
     img1, img2 = pairs(b, (4, 4, channels), seed=6)
     rng = np.random.default_rng(7)
@@ -294,6 +286,24 @@ def test_pretraining_checkpoint_into_the_pretraining_model(setup):
     img_label = np.concatenate([img1.reshape(b, n, -1), img2.reshape(b, n, -1)], 1)
     m1 = img1 * ~img_mask[:, :n].reshape(b, 4, 4, 1)
     m2 = img2 * ~img_mask[:, n:].reshape(b, 4, 4, 1)
+    return ids, labels, t_labels, img_mask, img_label, m1, m2
+
+
+def test_pretraining_checkpoint_into_the_pretraining_model(setup):
+    tmp, data_dir, vocab, channels, table = setup
+    ref = torch_model("pretrain", len(table), channels, seed=5)
+    path = tmp / "pretrain_checkpoint.pt"
+    pretraining_dict(ref, path)
+    config = make_config("pretrain", data_dir)
+    workdir = tmp / "pretrain_workdir"
+    report = converter.convert_checkpoint(config, path, workdir, dict_json=tmp / "dict.json")
+    assert report.step == 1234 and not report.fresh and not report.saved_data_iterator
+    assert "tied" in " ".join(report.dropped) and "task_batch_num" in str(report.notes)
+    params = compare.load_params(workdir)
+    model = models.build(config.model, vocab_size=len(vocab), max_len=12)
+    to_official = trunk_to_official(vocab, table)
+    ids, labels, t_labels, img_mask, img_label, m1, m2 = pretraining_batch(vocab, channels,
+                                                                            to_official)
 
     out_t = ref.pretrain_forward(t_tokens(m1), t_tokens(m2), torch.from_numpy(to_official[ids]))
     mlm_t = tref.mlm_token_losses(out_t.mlm_logits, torch.from_numpy(t_labels))
@@ -322,8 +332,8 @@ def test_pretraining_checkpoint_into_the_pretraining_model(setup):
     check("MVCL per-region NCE", np.asarray(mvcl)[np.asarray(masked)], mvcl_rows_t)
     check("FDA loss", fda, fda_t)
     check("pretraining total", total, total_t, rel=True)
-    sizes = mapping.Sizes(len(vocab), 12, channels, 4, 4, "test", checkpoint_stage="pretrain",
-                          token_rows=mapping.dict_json_token_rows(
+    sizes = tables.Sizes(len(vocab), 12, channels, 4, 4, "test", checkpoint_stage="pretrain",
+                          token_rows=idc_dict_json.dict_json_token_rows(
                               config.model, vocab, tmp / "dict.json", len(table)))
     # named_parameters() lists the tied Parameter once (img_project.0.weight): its grad sums
     # both uses, as our one img_project_0/kernel does. The pretraining pooler is unused.
@@ -352,9 +362,9 @@ def test_pretraining_checkpoint_into_fine_tuning_keeps_all_but_the_pooler(setup)
     np.testing.assert_array_equal(params["encoder/norm/a_2"],
                                   ref.encoder.norm.a_2.detach().numpy())
     assert params["pooler_0/kernel"].shape == (2 * SIZES["hidden_dim"], 2)
-    sizes = mapping.Sizes(len(vocab), 12, channels, 4, 4, "test")
+    sizes = tables.Sizes(len(vocab), 12, channels, 4, 4, "test")
     model = converter.build_model(config, sizes)
-    spec = mapping.get_spec("idc_pcl")
+    spec = registry.converter_for("idc_pcl")
     fresh = flax.traverse_util.flatten_dict(
         converter.init_params(config, model, spec, sizes, abstract=False), sep="/")
     np.testing.assert_array_equal(params["pooler_0/kernel"], fresh["pooler_0/kernel"])
@@ -384,14 +394,10 @@ def test_dict_json_words_the_dataset_lacks_are_dropped(setup):
     check("logits at the kept rows", out.mlm_logits, out_t.mlm_logits[..., to_official])
 
 
-def test_errors_name_the_problem(setup):
-    tmp, data_dir, vocab, channels, table = setup
-    config = make_config("finetune", data_dir)
-    ref = torch_model("finetune", len(table), channels, seed=12)
-    state = ref.state_dict()
-    good = tmp / "good.pt"
-    torch.save(state, good)
-
+def check_width_and_dict_json_errors(tmp: Path, data_dir: str, config, good: Path,
+                                     table: dict) -> None:
+    """A feature width other than the checkpoint's, no --dict_json, and three wrong dict.json
+    files (workdirs e0..e4)."""
     wrong_width = make_config("finetune", data_dir)
     wrong_width.model.image_dim = 8
     with pytest.raises(ConversionError, match="image_dim = 8 but the features have 16"):
@@ -415,6 +421,17 @@ def test_errors_name_the_problem(setup):
         converter.convert_checkpoint(config, good, tmp / "e4",
                                      dict_json=tmp / "missing_word.json")
 
+
+def test_errors_name_the_problem(setup):
+    tmp, data_dir, vocab, channels, table = setup
+    config = make_config("finetune", data_dir)
+    ref = torch_model("finetune", len(table), channels, seed=12)
+    state = ref.state_dict()
+    good = tmp / "good.pt"
+    torch.save(state, good)
+
+    check_width_and_dict_json_errors(tmp, data_dir, config, good, table)
+
     broken = dict(state)
     del broken["encoder.layers.1.attn.out.bias"]
     broken["encoder.layers.0.feed_forward.w_1.weight"] = torch.zeros(3, 3)
@@ -429,7 +446,7 @@ def test_errors_name_the_problem(setup):
 
     pre = torch_model("pretrain", len(table), channels, seed=13)
     untied = dict(pre.state_dict())
-    untied[idc_pcl.TIED_KEY] = untied[idc_pcl.TIED_KEY] + 1.0
+    untied[idc_converter.TIED_KEY] = untied[idc_converter.TIED_KEY] + 1.0
     pretraining_dict_path = tmp / "untied.pt"
     torch.save({"global_step": 1, "model_state_dict": untied, "task_batch_num": {}},
                pretraining_dict_path)

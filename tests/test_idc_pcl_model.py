@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from torch_reference import idc_pcl as tref  # noqa: E402
 
 from changecap_jax import decoding  # noqa: E402
+from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.models import idc_pcl  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
 
@@ -69,7 +70,7 @@ def flax_model(stage: str) -> idc_pcl.IDCPCL:
 
 
 def params_of(model: tref.IDCPCL) -> dict:
-    return {"params": idc_pcl.load_torch_state_dict(model.state_dict())}
+    return {"params": idc_converter.load_torch_state_dict(model.state_dict())}
 
 
 def inputs(b: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,9 +153,9 @@ def test_flax_params_map_one_to_one_at_default_sizes(stage):
             for path, v in jax.tree_util.tree_leaves_with_path(shapes["params"])}
     expected = {}
     for key, value in ref.state_dict().items():
-        path = idc_pcl.torch_key_to_flax(key)
-        if path is None or key == idc_pcl.TIED_KEY:
-            assert key in (idc_pcl.PE_KEY, idc_pcl.TIED_KEY)
+        path = idc_converter.torch_key_to_flax(key)
+        if path is None or key == idc_converter.TIED_KEY:
+            assert key in (idc_converter.PE_KEY, idc_converter.TIED_KEY)
             continue
         shape = tuple(value.shape)
         expected[path] = shape[::-1] if path[-1] == "kernel" else shape
@@ -166,17 +167,17 @@ def test_flax_params_map_one_to_one_at_default_sizes(stage):
 def test_loader_checks_tie_and_sinusoid():
     sd = {k: v.detach().clone() for k, v in torch_model("pretrain").state_dict().items()}
     check("sinusoid table (200 x 64)", idc_pcl.idc_sinusoid_table(200, D),
-          sd[idc_pcl.PE_KEY][0], 1e-6)
-    assert idc_pcl.torch_key_to_flax("module.encoder.layers.1.sublayer.0.norm.a_2") == (
+          sd[idc_converter.PE_KEY][0], 1e-6)
+    assert idc_converter.torch_key_to_flax("module.encoder.layers.1.sublayer.0.norm.a_2") == (
         "encoder", "layers_1", "sublayer_0", "norm", "a_2")
     untied = dict(sd)
-    untied[idc_pcl.TIED_KEY] = untied[idc_pcl.TIED_KEY] + 1.0
+    untied[idc_converter.TIED_KEY] = untied[idc_converter.TIED_KEY] + 1.0
     with pytest.raises(ValueError, match="tied"):
-        idc_pcl.load_torch_state_dict(untied)
+        idc_converter.load_torch_state_dict(untied)
     bad_pe = dict(sd)
-    bad_pe[idc_pcl.PE_KEY] = bad_pe[idc_pcl.PE_KEY] + 1e-3
+    bad_pe[idc_converter.PE_KEY] = bad_pe[idc_converter.PE_KEY] + 1e-3
     with pytest.raises(ValueError, match="sinusoid"):
-        idc_pcl.load_torch_state_dict(bad_pe)
+        idc_converter.load_torch_state_dict(bad_pe)
 
 
 # ---- fine-tuning (§5.2, §5.4) -----------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_finetune_forward_loss_and_gradients():
     check("finetune MLM logits", out.mlm_logits, out_t.mlm_logits)
     check("finetune distractor logits", out.distractor_logits, out_t.distractor_logits)
     check("finetune summed loss", loss, loss_t, rel=True)
-    ref_grads = flat(idc_pcl.load_torch_state_dict(
+    ref_grads = flat(idc_converter.load_torch_state_dict(
         {k: p.grad for k, p in ref.named_parameters()}))
     ours = flat(grads)
     assert ours.keys() == ref_grads.keys()
@@ -275,7 +276,7 @@ def test_pretrain_forward_losses_and_gradients():
         check(f"pretrain {name} loss", a, t)
     grads = flat(grads)
     # named_parameters() lists the tied Parameter once: its grad sums both uses.
-    ref_grads = flat(idc_pcl.load_torch_state_dict(
+    ref_grads = flat(idc_converter.load_torch_state_dict(
         {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}))
     assert ("pooler_0", "kernel") not in ref_grads  # unused by the CLEVR tasks (§5.2)
     for path, g in ref_grads.items():

@@ -10,7 +10,10 @@ writes ``DIR/checkpoints/<step>`` that ``python -m changecap_jax.main --config=.
 --mode=eval`` restores. Modules (notes in ``docs/official/``: §1.1, §3.6, §4.5, §6, §7):
 
 * :mod:`.torch_checkpoint` — reading snapshots / state_dicts with torch (optional dependency);
-* :mod:`.mapping` — per-model key tables (torch key -> Flax path + transform), checks;
+* :mod:`.tables` — key tables (torch key -> Flax path + transform), their checks and conversion;
+* :mod:`.model_converter` — :class:`ModelConverter`, what a model's converter provides;
+* :mod:`.models` — one converter per model (``dirl``, ``scorer``, ``idc_pcl``);
+* :mod:`.registry` — the converters by ``config.model.name`` (docs/converters.md);
 * :mod:`.converter` — :func:`convert_checkpoint`, :func:`convert_params`;
 * :mod:`.compare` — :func:`forward_outputs`, every intermediate to compare with PyTorch.
 

@@ -47,6 +47,9 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
+from changecap_jax import cli, compile_cache
+from changecap_jax.convert import converter, registry, tables
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
 flags.DEFINE_string("torch_checkpoint", None, "Official PyTorch snapshot (.pt).")
@@ -65,17 +68,16 @@ flags.DEFINE_bool("print_table", False, "Print the key table for the config and 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from changecap_jax.convert import converter, mapping
-
     # A ConversionError or a missing file ends the command with its message (changecap_jax.cli).
     config = FLAGS.config
     if FLAGS.print_table:
-        spec = mapping.get_spec(config.model.name)
-        snapshot = spec.read_snapshot(FLAGS.torch_checkpoint, allow_pickle=FLAGS.allow_pickle)
+        model_converter = registry.converter_for(config.model.name)
+        snapshot = model_converter.read_snapshot(FLAGS.torch_checkpoint,
+                                                 allow_pickle=FLAGS.allow_pickle)
         dataset, why = converter.open_dataset(config)
-        sizes = converter.checkpoint_sizes(config, spec, snapshot, dataset, why,
+        sizes = converter.checkpoint_sizes(config, model_converter, snapshot, dataset, why,
                                            FLAGS.dict_json)
-        print(mapping.format_table(spec.table(config.model, sizes)))
+        print(tables.format_table(model_converter.table(config.model, sizes)))
         return
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
@@ -87,8 +89,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     flags.mark_flags_as_required(["config", "torch_checkpoint"])
     cli.run(main)

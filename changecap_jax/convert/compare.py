@@ -16,7 +16,9 @@ Flax's ``capture_intermediates`` and returns, as NumPy arrays under stable names
   mean, as the trainer forms it);
 * ``"aux/{name}"`` — each auxiliary loss as the model returns it (the mean over the streams) and,
   where the model's losses are per stream, ``"aux/{name}/{stream}"`` (DIRL: ``dirl`` from the
-  MLP outputs, ``ccr`` from t and v of that stream);
+  MLP outputs, ``ccr`` from t and v of that stream), derived by the ``stream_aux`` of the
+  model's converter (``changecap_jax/convert/models/``, docs/converters.md), which also names
+  the fields of plain tuple outputs (``output_fields``);
 * ``"loss"`` — caption_ce + sum of ``config.loss_weights[name] * aux/name`` (the trainer's total).
 
 PyTorch equivalents for DIRL+CCR (``tests/torch_reference/dirl.py``): ``DIRL(...).diff_bef`` ->
@@ -41,7 +43,7 @@ model (§2.3). Reference: ``docs/official/parity_checklist.md`` §7 item 7.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,63 +52,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 
-from changecap_jax import losses
-from changecap_jax.convert import mapping
-
-# Names for the fields of tuple outputs that are not NamedTuples: model -> module -> names.
-TUPLE_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "dirl": {"decoder": ("logits", "t", "v")},
-    "scorer": {"decoder": ("logits", "sentence")},
-}
-
-
-def _dirl_stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    aux = {}
-    for stream in model.streams:
-        aux[f"aux/dirl/{stream}"] = losses.barlow_correlation_loss(
-            out[f"encoder/{stream}/mlp_before"], out[f"encoder/{stream}/mlp_after"],
-            off_diagonal_weight=model.off_diagonal_weight)
-        aux[f"aux/ccr/{stream}"] = losses.ccr_infonce_loss(
-            out[f"decoder/{stream}/t"], out[f"decoder/{stream}/v"])
-    return aux
-
-
-def _scorer_stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """SCORER: the last layer's S1 / S2 (B, B) and L_sim per stream; L_cbr per stream is the
-    output of the ``cbr`` call of that stream (``cbr/{stream}``)."""
-    aux: dict[str, Any] = {}
-    for stream in model.streams:
-        prefix = f"encoder/{stream}/matching"
-        sims = []
-        for i, name in enumerate(("sim_before", "sim_after")):
-            q, k = out[f"{prefix}/{i}/query"], out[f"{prefix}/{i}/key"]
-            scale = out[f"{prefix}/{i}/logit_scale"]
-            aux[f"encoder/{stream}/{name}"] = jnp.exp(scale) * losses.token_matching_similarity(
-                jnp.asarray(q), jnp.asarray(k))
-            sims.append(losses.matching_contrastive_loss(jnp.asarray(q), jnp.asarray(k),
-                                                         jnp.asarray(scale)))
-        if model.use_sim:
-            aux[f"aux/sim/{stream}"] = 0.5 * (sims[0] + sims[1])
-        if model.use_cbr:
-            aux[f"aux/cbr/{stream}"] = out[f"cbr/{stream}"]
-    return aux
-
-
-# model -> (model, outputs so far) -> per-stream auxiliary losses (and derived outputs).
-STREAM_AUX: dict[str, Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]] = {
-    "dirl": _dirl_stream_aux,
-    "scorer": _scorer_stream_aux,
-}
+from changecap_jax import checkpoints, losses, models
+from changecap_jax.convert import registry
 
 
 def load_params(workdir: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
     """The ``params`` of ``workdir/checkpoints/<step>`` (latest by default), restored without a
     target (no model or dataset needed)."""
-    import orbax.checkpoint as ocp
-
-    from changecap_jax import checkpoints
-
     directory = Path(workdir).absolute() / "checkpoints"
     with ocp.CheckpointManager(directory, item_names=("state", "data")) as manager:
         if manager.latest_step() is None:
@@ -141,6 +95,45 @@ def _add_value(out: dict[str, np.ndarray], name: str, value: Any,
         out[name] = np.asarray(value)
 
 
+def _captured_outputs(intermediates: Any, streams: tuple[str, ...],
+                      output_fields: Mapping[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
+    """Every captured call and sown value under its name (module docstring); a module called
+    once per stream gets the stream names, otherwise ``call{i}``."""
+    out: dict[str, np.ndarray] = {}
+    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(intermediates))
+    for path, calls in flat.items():
+        *modules, method = path
+        calls = tuple(calls)
+        labels = streams if len(calls) == len(streams) else [f"call{i}"
+                                                             for i in range(len(calls))]
+        for label, value in zip(labels, calls, strict=True):
+            _add_value(out, _name(tuple(modules), method, label), value,
+                       output_fields.get("/".join(modules)) if method == "__call__" else None)
+    return out
+
+
+def _losses(config: ml_collections.ConfigDict, result: Any,
+            streams: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Logits, targets and caption CE per stream, their mean, every auxiliary loss and the
+    trainer's weighted total."""
+    out: dict[str, np.ndarray] = {}
+    ce = {}
+    for stream in streams:
+        logits, targets = result.caption_logits[stream], result.caption_targets[stream]
+        out[f"logits/{stream}"] = np.asarray(logits)
+        out[f"targets/{stream}"] = np.asarray(targets)
+        ce[stream] = losses.caption_cross_entropy(logits, targets)
+        out[f"caption_ce/{stream}"] = np.asarray(ce[stream])
+    caption = sum(ce.values()) / len(ce)
+    out["caption_ce"] = np.asarray(caption)
+    total = caption
+    for key, value in result.aux_losses.items():
+        out[f"aux/{key}"] = np.asarray(value)
+        total = total + config.loss_weights[key] * value
+    out["loss"] = np.asarray(total)
+    return out
+
+
 def forward_outputs(
     config: ml_collections.ConfigDict,
     workdir_or_params: str | os.PathLike[str] | Mapping[str, Any],
@@ -163,19 +156,16 @@ def forward_outputs(
     Returns:
       name -> NumPy array (see the module docstring for the names). Eval mode: no dropout.
     """
-    from changecap_jax import models
-
     if isinstance(workdir_or_params, str | os.PathLike):
         params = load_params(workdir_or_params, step)
     else:
         params = jax.tree.map(jnp.asarray, dict(workdir_or_params))
-    name = config.model.name
-    spec = mapping.get_spec(name)
+    model_converter = registry.converter_for(config.model.name)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     caption_len = max((v.shape[1] for v in batch.values()
                        if v.ndim == 2 and jnp.issubdtype(v.dtype, jnp.integer)), default=1)
     max_len = max(config.decode.max_len or 0, caption_len)
-    model = models.build(config.model, vocab_size=spec.vocab_size_of_params(params),
+    model = models.build(config.model, vocab_size=model_converter.vocab_size_of_params(params),
                          max_len=max_len)
 
     @jax.jit
@@ -187,32 +177,9 @@ def forward_outputs(
     result, state = run(params, batch)
     # Calls are captured in the model's stream order (jit returns dicts with sorted keys).
     streams = tuple(getattr(model, "streams", ())) or tuple(result.caption_logits)
-    fields = TUPLE_FIELDS.get(name, {})
-    out: dict[str, np.ndarray] = {}
-    flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(state["intermediates"]))
-    for path, calls in flat.items():
-        *modules, method = path
-        calls = tuple(calls)
-        labels = streams if len(calls) == len(streams) else [f"call{i}"
-                                                             for i in range(len(calls))]
-        for label, value in zip(labels, calls, strict=True):
-            _add_value(out, _name(tuple(modules), method, label), value,
-                       fields.get("/".join(modules)) if method == "__call__" else None)
-
-    ce = {}
-    for stream in streams:
-        logits, targets = result.caption_logits[stream], result.caption_targets[stream]
-        out[f"logits/{stream}"] = np.asarray(logits)
-        out[f"targets/{stream}"] = np.asarray(targets)
-        ce[stream] = losses.caption_cross_entropy(logits, targets)
-        out[f"caption_ce/{stream}"] = np.asarray(ce[stream])
-    caption = sum(ce.values()) / len(ce)
-    out["caption_ce"] = np.asarray(caption)
-    total = caption
-    for key, value in result.aux_losses.items():
-        out[f"aux/{key}"] = np.asarray(value)
-        total = total + config.loss_weights[key] * value
-    out["loss"] = np.asarray(total)
-    if name in STREAM_AUX:
-        out.update({k: np.asarray(v) for k, v in STREAM_AUX[name](model, out).items()})
+    out = _captured_outputs(state["intermediates"], streams, model_converter.output_fields)
+    out.update(_losses(config, result, streams))
+    if model_converter.stream_aux is not None:
+        out.update({k: np.asarray(v)
+                    for k, v in model_converter.stream_aux(model, out).items()})
     return out

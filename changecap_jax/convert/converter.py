@@ -4,12 +4,13 @@
 
 1. reads the snapshot in the model's official format (:mod:`.torch_checkpoint`; reference
    §3.6 / §4.5; IDC-PCL §6: the pretraining dict or the fine-tuning state_dict);
-2. checks that it is the model and decoder variant the config builds (:mod:`.mapping`);
+2. checks that it is the model and decoder variant the config builds (the model's converter,
+   :func:`.registry.converter_for`; docs/converters.md);
 3. decides the data-dependent sizes: from the config's dataset when it is built (as the
    trainer would: vocabulary, feature grid, ``decode.max_len`` or the dataset's caption
    length), and otherwise from the checkpoint's own shapes. IDC-PCL needs the built dataset
    and ``--dict_json``: its token rows are reordered from the authors' dict.json ids to the
-   dataset vocabulary (:func:`mapping.dict_json_token_rows`; dict.json words the dataset
+   dataset vocabulary (``convert/models/idc_dict_json.py``; dict.json words the dataset
    lacks are dropped and counted in the summary);
 4. checks every torch key against the model's key table (missing, unexpected or mis-shaped keys,
    buffer values and tied weights; one message names all of them, each with both shapes) and
@@ -18,7 +19,7 @@
    ``feat_regress.*``;
 5. takes parameters that the official checkpoint format lacks (SCORER's CBR, S-Q1) from
    ``--extra_params`` or, with ``--missing=init``, from the trainer's own initialisation; those
-   the official restore leaves fresh (``ModelSpec.fresh_params``: the IDC-PCL fine-tuning
+   the official restore leaves fresh (``ModelConverter.fresh_params``: the IDC-PCL fine-tuning
    pooler from a pretraining checkpoint) get the trainer's initialisation without asking;
 6. checks the result against the Flax model's parameter tree and writes
    ``WORKDIR/checkpoints/<step>`` with the trainer's manager and items: ``state`` =
@@ -43,19 +44,23 @@ from pathlib import Path
 from typing import Any
 
 import flax
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 
-from changecap_jax import export
-from changecap_jax.convert import mapping
+from changecap_jax import checkpoints, export, models, train
+from changecap_jax.convert import registry, tables
 from changecap_jax.convert.errors import ConversionError, KeyMismatchError
+from changecap_jax.convert.model_converter import ModelConverter
 from changecap_jax.convert.torch_checkpoint import (  # noqa: F401 (read_official_snapshot)
     OfficialSnapshot,
     read_official_snapshot,
     read_state_dict,
 )
+from changecap_jax.data import datasets, pipeline
 
 MISSING_POLICIES = ("error", "init")
 MAX_LISTED = 30  # problems listed in an error message (all are in KeyMismatchError.problems)
@@ -68,7 +73,7 @@ class ConversionReport:
     checkpoint: str
     model: str
     variant: str | None
-    sizes: mapping.Sizes
+    sizes: tables.Sizes
     dataset: str | None  # the dataset whose shapes were checked, None if unavailable
     step: int = 0
     workdir: str | None = None
@@ -77,7 +82,7 @@ class ConversionReport:
     num_params: int = 0
     from_extra_params: list[str] = dataclasses.field(default_factory=list)
     initialised: list[str] = dataclasses.field(default_factory=list)
-    fresh: list[str] = dataclasses.field(default_factory=list)  # ModelSpec.fresh_params
+    fresh: list[str] = dataclasses.field(default_factory=list)  # ModelConverter.fresh_params
     dropped: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # why -> keys
     saved_data_iterator: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -126,8 +131,6 @@ class ConversionReport:
 
 def open_dataset(config: ml_collections.ConfigDict) -> tuple[Any, str | None]:
     """The config's dataset if it is already built (never builds one), else (None, reason)."""
-    from changecap_jax.data import datasets
-
     ds = config.dataset
     try:
         dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
@@ -138,42 +141,43 @@ def open_dataset(config: ml_collections.ConfigDict) -> tuple[Any, str | None]:
 
 
 def resolve_sizes(
-    config: ml_collections.ConfigDict, snapshot_sizes: mapping.Sizes, dataset: Any | None
-) -> mapping.Sizes:
+    config: ml_collections.ConfigDict, snapshot_sizes: tables.Sizes, dataset: Any | None
+) -> tables.Sizes:
     """The sizes the trainer will build the model with (dataset) or the checkpoint's."""
     if dataset is None:
         max_len = config.decode.max_len or snapshot_sizes.max_len
         return dataclasses.replace(snapshot_sizes, max_len=max_len)
     h, w, c = dataset.meta.feature_shape
-    return mapping.Sizes(
+    return tables.Sizes(
         vocab_size=len(dataset.vocab),
         max_len=config.decode.max_len or dataset.meta.max_caption_len,
         feature_channels=c, grid_height=h, grid_width=w,
         origin=f"the config's dataset {dataset.name!r}")
 
 
-def checkpoint_sizes(config: ml_collections.ConfigDict, spec: mapping.ModelSpec,
+def checkpoint_sizes(config: ml_collections.ConfigDict, model_converter: ModelConverter,
                      snapshot: OfficialSnapshot, dataset: Any | None, why: str | None,
-                     dict_json: str | os.PathLike[str] | None = None) -> mapping.Sizes:
+                     dict_json: str | os.PathLike[str] | None = None) -> tables.Sizes:
     """What the key table depends on: :func:`resolve_sizes`, the checkpoint's stage and, for a
     model whose checkpoints follow another vocabulary file (IDC-PCL), the token order from
     ``dict_json`` and the dataset vocabulary (both required)."""
-    found = spec.sizes_from_states(config.model, snapshot.states)
+    found = model_converter.sizes_from_states(config.model, snapshot.states)
     sizes = dataclasses.replace(resolve_sizes(config, found, dataset),
                                 checkpoint_stage=snapshot.stage)
-    if spec.token_rows is None:
+    if model_converter.token_rows is None:
         if dict_json is not None:
             raise ConversionError(f"--dict_json is only read for models whose checkpoints "
-                                  f"follow a vocabulary file ({spec.title} does not)")
+                                  f"follow a vocabulary file ({model_converter.title} does not)")
         return sizes
+    title = model_converter.title
     if dict_json is None:
-        raise ConversionError(f"{spec.title} checkpoints number their tokens by the authors' "
+        raise ConversionError(f"{title} checkpoints number their tokens by the authors' "
                               "dict.json: pass it with --dict_json=PATH")
     if dataset is None:
         raise ConversionError(
-            f"the config's dataset is not available ({why}); converting {spec.title} needs its "
+            f"the config's dataset is not available ({why}); converting {title} needs its "
             "vocabulary to reorder the token rows from dict.json")
-    rows = spec.token_rows(config.model, dataset.vocab, dict_json, found.vocab_size)
+    rows = model_converter.token_rows(config.model, dataset.vocab, dict_json, found.vocab_size)
     return dataclasses.replace(sizes, token_rows=rows)
 
 
@@ -182,22 +186,20 @@ def checkpoint_sizes(config: ml_collections.ConfigDict, spec: mapping.ModelSpec,
 # ---------------------------------------------------------------------------------------------
 
 
-def build_model(config: ml_collections.ConfigDict, sizes: mapping.Sizes) -> Any:
-    from changecap_jax import models
-
+def build_model(config: ml_collections.ConfigDict, sizes: tables.Sizes) -> Any:
+    """The Flax model the trainer builds for ``config`` and these sizes."""
     return models.build(config.model, vocab_size=sizes.vocab_size, max_len=sizes.max_len)
 
 
-def init_params(config: ml_collections.ConfigDict, model: Any, spec: mapping.ModelSpec,
-                sizes: mapping.Sizes, *, abstract: bool) -> dict[str, Any]:
+def init_params(config: ml_collections.ConfigDict, model: Any, model_converter: ModelConverter,
+                sizes: tables.Sizes, *, abstract: bool) -> dict[str, Any]:
     """The model's parameters (shapes only when ``abstract``), drawn as Trainer.init_state."""
-    if spec.init_inputs is None:
-        args, kwargs = (spec.example_batch(model, sizes),), {"train": False}
+    if model_converter.init_inputs is None:
+        args, kwargs = (model_converter.example_batch(model, sizes),), {"train": False}
     else:
-        args, kwargs = spec.init_inputs(model, sizes)
-    from changecap_jax.train import INIT_FOLD  # the trainer's own initialisation key
-
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), INIT_FOLD)
+        args, kwargs = model_converter.init_inputs(model, sizes)
+    # The trainer's own initialisation key.
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), train.INIT_FOLD)
     init = lambda: model.init({"params": key}, *args, **kwargs)["params"]  # noqa: E731
     return jax.eval_shape(init) if abstract else jax.jit(init)()
 
@@ -206,10 +208,87 @@ def _flat(tree: Mapping[str, Any]) -> dict[str, Any]:
     return flax.traverse_util.flatten_dict(dict(tree), sep="/")
 
 
+def _checked_states(
+    model_converter: ModelConverter, entries: list[tables.Entry], snapshot: OfficialSnapshot,
+    extra_states: dict[str, Mapping[str, np.ndarray]], sizes: tables.Sizes,
+) -> tuple[dict[str, Mapping[str, np.ndarray]], list[str]]:
+    """The snapshot's and ``--extra_params``' state_dicts and the sources they give, checked
+    against the key table (KeyMismatchError listing every problem)."""
+    states: dict[str, Mapping[str, np.ndarray]] = dict(snapshot.states)
+    official = [s.name for s in model_converter.sources if s.official]
+    unofficial = [s.name for s in model_converter.sources if not s.official]
+    unknown = sorted(set(extra_states) - set(unofficial))
+    if unknown:
+        raise ConversionError(f"--extra_params gives {unknown}, but model "
+                              f"{model_converter.name!r} takes extra parameters only for "
+                              f"{unofficial}")
+    states.update(extra_states)
+    sources = official + [name for name in unofficial if name in extra_states]
+    problems = tables.check_states(entries, states, sources)
+    if problems:
+        shown = problems[:MAX_LISTED] + (
+            [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
+        raise KeyMismatchError(
+            f"{snapshot.path} does not fit config.model ({model_converter.title}, sizes from "
+            f"{sizes.origin}); {len(problems)} problems:\n  " + "\n  ".join(shown), problems)
+    return states, sources
+
+
+def _check_against_model(model_converter: ModelConverter, converted: Mapping[str, np.ndarray],
+                         abstract: Mapping[str, Any]) -> None:
+    """Every converted array is a parameter of the Flax model, with its shape (else the key
+    table has a bug)."""
+    internal = []
+    for path, value in converted.items():
+        if path not in abstract:
+            internal.append(f"the table maps to {path}, which is not a parameter of the model")
+        elif tuple(abstract[path].shape) != value.shape:
+            internal.append(f"{path}: converted shape {value.shape} != model shape "
+                            f"{tuple(abstract[path].shape)}")
+    if internal:
+        raise ConversionError(
+            f"the key table of {model_converter.name!r} does not match the Flax model (a bug "
+            f"in its converter, changecap_jax/convert/models/):\n  " + "\n  ".join(internal))
+
+
+def _absent_params(model_converter: ModelConverter, entries: list[tables.Entry],
+                   absent: list[str], extra_states: Mapping[str, Any], missing: str) -> None:
+    """Parameters no file provides: an error naming them and the sources not given, or (with
+    ``missing="init"``) a warning."""
+    if not absent:
+        return
+    not_given = [s for s in model_converter.sources
+                 if not s.official and s.name not in extra_states]
+    detail = "".join(
+        f"\n  {s.name} ({s.description}): "
+        + ", ".join(e.key for e in entries if e.source == s.name)
+        for s in not_given)
+    message = (f"{len(absent)} parameters of model {model_converter.name!r} are not in the "
+               f"official checkpoint: {', '.join(absent)}{detail}")
+    if missing == "error":
+        raise ConversionError(message + "\nPass them with --extra_params=PATH (a torch "
+                              "state_dict) or initialise them with --missing=init.")
+    logging.warning("%s; initialising them (--missing=init)", message)
+
+
+def _fill_report(report: ConversionReport, entries: list[tables.Entry], sources: list[str],
+                 extra_states: Mapping[str, Any], converted: Mapping[str, np.ndarray],
+                 fresh: list[str], absent: list[str]) -> None:
+    report.converted_keys = sum(1 for e in entries if e.targets and e.source in sources)
+    report.buffers_checked = [e.name for e in entries if not e.targets and not e.dropped]
+    for e in entries:
+        if e.dropped:
+            report.dropped.setdefault(e.dropped, []).append(e.key)
+    report.fresh = fresh
+    report.num_params = int(sum(v.size for v in converted.values()))
+    report.from_extra_params = [e.name for e in entries if e.source in extra_states]
+    report.initialised = absent
+
+
 def convert_params(
     config: ml_collections.ConfigDict,
     snapshot: OfficialSnapshot,
-    sizes: mapping.Sizes,
+    sizes: tables.Sizes,
     *,
     extra_states: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     missing: str = "error",
@@ -231,69 +310,24 @@ def convert_params(
     """
     if missing not in MISSING_POLICIES:
         raise ValueError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
-    spec = mapping.get_spec(config.model.name)
-    entries = spec.table(config.model, sizes)
-    states: dict[str, Mapping[str, np.ndarray]] = dict(snapshot.states)
+    model_converter = registry.converter_for(config.model.name)
+    entries = model_converter.table(config.model, sizes)
     extra_states = dict(extra_states or {})
-    official = [s.name for s in spec.sources if s.official]
-    unofficial = [s for s in spec.sources if not s.official]
-    unknown = sorted(set(extra_states) - {s.name for s in unofficial})
-    if unknown:
-        raise ConversionError(f"--extra_params gives {unknown}, but model {spec.name!r} takes "
-                              f"extra parameters only for {[s.name for s in unofficial]}")
-    states.update(extra_states)
-    sources = official + [s.name for s in unofficial if s.name in extra_states]
-    problems = mapping.check_states(entries, states, sources)
-    if problems:
-        shown = problems[:MAX_LISTED] + (
-            [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else [])
-        raise KeyMismatchError(
-            f"{snapshot.path} does not fit config.model ({spec.title}, sizes from "
-            f"{sizes.origin}); {len(problems)} problems:\n  " + "\n  ".join(shown), problems)
-
-    converted = mapping.apply_table(entries, states)
+    states, sources = _checked_states(model_converter, entries, snapshot, extra_states, sizes)
+    converted = tables.apply_table(entries, states)
     model = build_model(config, sizes)
-    abstract = _flat(init_params(config, model, spec, sizes, abstract=True))
-    internal = []
-    for path, value in converted.items():
-        if path not in abstract:
-            internal.append(f"the table maps to {path}, which is not a parameter of the model")
-        elif tuple(abstract[path].shape) != value.shape:
-            internal.append(f"{path}: converted shape {value.shape} != model shape "
-                            f"{tuple(abstract[path].shape)}")
-    if internal:
-        raise ConversionError(f"the key table of {spec.name!r} does not match the Flax model "
-                              "(a bug in changecap_jax/convert/mapping.py):\n  "
-                              + "\n  ".join(internal))
-    fresh_by_design = set(spec.fresh_params(config.model, sizes))
+    abstract = _flat(init_params(config, model, model_converter, sizes, abstract=True))
+    _check_against_model(model_converter, converted, abstract)
+    fresh_by_design = set(model_converter.fresh_params(config.model, sizes))
     fresh = sorted((set(abstract) & fresh_by_design) - set(converted))
     absent = sorted(set(abstract) - set(converted) - fresh_by_design)
-    if absent:
-        not_given = [s for s in unofficial if s.name not in extra_states]
-        detail = "".join(
-            f"\n  {s.name} ({s.description}): "
-            + ", ".join(e.key for e in entries if e.source == s.name)
-            for s in not_given)
-        message = (f"{len(absent)} parameters of model {spec.name!r} are not in the official "
-                   f"checkpoint: {', '.join(absent)}{detail}")
-        if missing == "error":
-            raise ConversionError(message + "\nPass them with --extra_params=PATH (a torch "
-                                  "state_dict) or initialise them with --missing=init.")
-        logging.warning("%s; initialising them (--missing=init)", message)
+    _absent_params(model_converter, entries, absent, extra_states, missing)
     if absent or fresh:  # the trainer's own initialisation
-        initial = _flat(init_params(config, model, spec, sizes, abstract=False))
+        initial = _flat(init_params(config, model, model_converter, sizes, abstract=False))
         for path in absent + fresh:
             converted[path] = np.asarray(initial[path])
     if report is not None:
-        report.converted_keys = sum(1 for e in entries if e.targets and e.source in sources)
-        report.buffers_checked = [e.name for e in entries if not e.targets and not e.dropped]
-        for e in entries:
-            if e.dropped:
-                report.dropped.setdefault(e.dropped, []).append(e.key)
-        report.fresh = fresh
-        report.num_params = int(sum(v.size for v in converted.values()))
-        report.from_extra_params = [e.name for e in entries if e.source in extra_states]
-        report.initialised = absent
+        _fill_report(report, entries, sources, extra_states, converted, fresh, absent)
     return flax.traverse_util.unflatten_dict(
         {k: jnp.asarray(v) for k, v in converted.items()}, sep="/")
 
@@ -304,21 +338,92 @@ def convert_params(
 
 
 def read_extra_params(
-    spec: mapping.ModelSpec, path: str | os.PathLike[str] | None, *, allow_pickle: bool = False
+    model_converter: ModelConverter, path: str | os.PathLike[str] | None, *,
+    allow_pickle: bool = False,
 ) -> dict[str, dict[str, np.ndarray]]:
     """``--extra_params``: a torch state_dict for the model's non-official source, as
     {source name: {torch key: array}} ({} when ``path`` is None)."""
     if path is None:
         return {}
-    unofficial = [s.name for s in spec.sources if not s.official]
+    unofficial = [s.name for s in model_converter.sources if not s.official]
     if not unofficial:
-        raise ConversionError(f"--extra_params was given, but the official {spec.title} "
-                              "checkpoint already holds every parameter")
+        raise ConversionError(f"--extra_params was given, but the official "
+                              f"{model_converter.title} checkpoint already holds every parameter")
     state = read_state_dict(path, allow_pickle=allow_pickle)
     if len(unofficial) == 1:
         return {unofficial[0]: state}
-    raise ConversionError(f"model {spec.name!r} has several extra sources {unofficial}; "
-                          "pass one state_dict per source")  # no such model yet
+    raise ConversionError(f"model {model_converter.name!r} has several extra sources "
+                          f"{unofficial}; pass one state_dict per source")  # no such model yet
+
+
+def _train_state(config: ml_collections.ConfigDict, params: Any, dataset: Any | None,
+                 step: int) -> train.TrainState:
+    """The trainer's state around ``params``: fresh Adam moments (the official snapshots hold
+    none) with the schedule of the config's dataset, the config's PRNG key."""
+    steps_per_epoch = 1
+    if dataset is not None:
+        num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
+        steps_per_epoch = math.ceil(num_train / config.batch_size)
+    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch)
+    return train.TrainState(step=jnp.int32(step), params=params,
+                            opt_state=optimizer.init(params),
+                            rng=jax.random.PRNGKey(config.seed))
+
+
+def _data_item(config: ml_collections.ConfigDict, dataset: Any | None,
+               report: ConversionReport) -> dict[str, Any]:
+    """The ``data`` item: a fresh training iterator, when the trainer keeps one and the
+    dataset is available (the reason goes to the report otherwise)."""
+    if "pretrain" in config:  # the pretraining trainer keeps one stream per task
+        report.notes.append("no data iterator saved: pretraining starts its task streams "
+                            "fresh when it resumes from this checkpoint")
+        return {}
+    if dataset is None:
+        return {}
+    try:
+        loader = pipeline.train_loader(
+            dataset.split("train"), global_batch_size=config.batch_size,
+            seed=config.seed, swap_prob=config.swap_prob)
+        item = grain.checkpoint.CheckpointSave(iter(loader))
+    except ValueError as e:  # e.g. a split smaller than the batch
+        report.notes.append(f"no data iterator saved ({e})")
+        return {}
+    report.saved_data_iterator = True
+    return {"data": item}
+
+
+def _save(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], step: int,
+          state: train.TrainState, dataset: Any | None, report: ConversionReport) -> None:
+    """Writes ``workdir/checkpoints/<step>`` with the trainer's manager and items, into an
+    empty workdir only."""
+    directory = Path(workdir) / "checkpoints"
+    manager = checkpoints.make_checkpoint_manager(directory, config.keep_checkpoints)
+    try:
+        if manager.all_steps():
+            raise ConversionError(
+                f"{directory} already holds checkpoints (steps {list(manager.all_steps())}); "
+                "convert into an empty workdir")
+        items = {"state": ocp.args.StandardSave(state), **_data_item(config, dataset, report)}
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+
+
+def _start_report(config: ml_collections.ConfigDict, torch_checkpoint: str | os.PathLike[str],
+                  model_converter: ModelConverter, snapshot: OfficialSnapshot,
+                  sizes: tables.Sizes, dataset: Any | None, why: str | None) -> ConversionReport:
+    report = ConversionReport(
+        checkpoint=str(torch_checkpoint), model=model_converter.name,
+        variant=config.model.get("variant"), sizes=sizes,
+        dataset=None if dataset is None else dataset.name)
+    if dataset is None:
+        report.notes.append(f"the config's dataset is not available ({why}); the model is "
+                            "built from the checkpoint's shapes, which the trainer will check "
+                            "against the dataset when it restores")
+    if snapshot.ignored:
+        report.notes.append(f"ignored top-level entries of the snapshot: {list(snapshot.ignored)}")
+    return report
 
 
 def convert_checkpoint(
@@ -339,70 +444,22 @@ def convert_checkpoint(
       ConversionError (and its subclasses) for every problem with the inputs; the message
       names the file, the key and both shapes where there are any.
     """
-    from changecap_jax import checkpoints, train
-    from changecap_jax.data import pipeline
-
-    spec = mapping.get_spec(config.model.name)
-    snapshot = spec.read_snapshot(torch_checkpoint, allow_pickle=allow_pickle)
-    spec.check_identity(config.model, snapshot.states, snapshot.model_cfg)
+    model_converter = registry.converter_for(config.model.name)
+    snapshot = model_converter.read_snapshot(torch_checkpoint, allow_pickle=allow_pickle)
+    model_converter.check_identity(config.model, snapshot.states, snapshot.model_cfg)
     dataset, why = open_dataset(config)
-    sizes = checkpoint_sizes(config, spec, snapshot, dataset, why, dict_json)
-    report = ConversionReport(
-        checkpoint=str(torch_checkpoint), model=spec.name,
-        variant=config.model.get("variant"), sizes=sizes,
-        dataset=None if dataset is None else dataset.name)
-    if dataset is None:
-        report.notes.append(f"the config's dataset is not available ({why}); the model is "
-                            "built from the checkpoint's shapes, which the trainer will check "
-                            "against the dataset when it restores")
-    if snapshot.ignored:
-        report.notes.append(f"ignored top-level entries of the snapshot: {list(snapshot.ignored)}")
-    extra = read_extra_params(spec, extra_params, allow_pickle=allow_pickle)
+    sizes = checkpoint_sizes(config, model_converter, snapshot, dataset, why, dict_json)
+    report = _start_report(config, torch_checkpoint, model_converter, snapshot, sizes, dataset,
+                           why)
+    extra = read_extra_params(model_converter, extra_params, allow_pickle=allow_pickle)
     params = convert_params(config, snapshot, sizes, extra_states=extra, missing=missing,
                             report=report)
-
     if step is None:
         step = snapshot.iteration or 0
     if step < 0:
         raise ConversionError(f"step must be >= 0, got {step}")
     report.step = int(step)
-    steps_per_epoch = 1
-    if dataset is not None:
-        num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
-        steps_per_epoch = math.ceil(num_train / config.batch_size)
-    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch)
-    state = train.TrainState(step=jnp.int32(step), params=params,
-                             opt_state=optimizer.init(params),
-                             rng=jax.random.PRNGKey(config.seed))
-
-    import orbax.checkpoint as ocp
-
-    directory = Path(workdir) / "checkpoints"
-    manager = checkpoints.make_checkpoint_manager(directory, config.keep_checkpoints)
-    try:
-        if manager.all_steps():
-            raise ConversionError(
-                f"{directory} already holds checkpoints (steps {list(manager.all_steps())}); "
-                "convert into an empty workdir")
-        items = {"state": ocp.args.StandardSave(state)}
-        if "pretrain" in config:  # the pretraining trainer keeps one stream per task
-            report.notes.append("no data iterator saved: pretraining starts its task streams "
-                                "fresh when it resumes from this checkpoint")
-        elif dataset is not None:
-            try:
-                import grain
-
-                loader = pipeline.train_loader(
-                    dataset.split("train"), global_batch_size=config.batch_size,
-                    seed=config.seed, swap_prob=config.swap_prob)
-                items["data"] = grain.checkpoint.CheckpointSave(iter(loader))
-                report.saved_data_iterator = True
-            except ValueError as e:  # e.g. a split smaller than the batch
-                report.notes.append(f"no data iterator saved ({e})")
-        manager.save(step, args=ocp.args.Composite(**items), force=True)
-        manager.wait_until_finished()
-    finally:
-        manager.close()
+    _save(config, workdir, step, _train_state(config, params, dataset, step), dataset, report)
     report.workdir = str(workdir)
     export.save_config(workdir, config)  # so export / report can rebuild the run
     return report

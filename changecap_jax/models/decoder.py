@@ -16,7 +16,8 @@ code's quirks reproduced:
   S-Q7), biases 0, LayerNorm 1/0.
 
 Parameter paths (torch key of ``speaker_state`` with ``core.`` dropped; Linear weights
-transposed, LayerNorm weight -> scale) are listed in :mod:`changecap_jax.models.scorer`.
+transposed, LayerNorm weight -> scale) are in the key table of SCORER's converter,
+``changecap_jax/convert/models/scorer.py``.
 
 Incremental decoding (:meth:`Speaker.init_cache` / :meth:`Speaker.step`) keeps per-layer
 self-attention keys/values and the cross-attention keys/values of the memory in the 'cache'

@@ -38,45 +38,7 @@ The two decoder variants (§4 table, field ``variant``):
     xavier_uniform on every >= 2-D decoder parameter (the pad row is overwritten).
 The encoder is the same in both (xavier_uniform on >= 2-D params, §4.4).
 
-Official state_dict key -> Flax param path (Appendix B)
---------------------------------------------------------
-Linear weights are transposed (kernel = weight.T); LayerNorm weight -> ``scale``. Encoder keys
-come from ``change_detector_state`` and live under ``params['encoder']``; decoder keys come from
-``speaker_state`` (prefix ``core.`` dropped) and live under ``params['decoder']``. For every
-``nn.MultiheadAttention`` (``...attention``, ``...self_att``, ``...cross_att``), ``in_proj_weight``
-rows [0:E] / [E:2E] / [2E:3E] -> ``q_proj`` / ``k_proj`` / ``v_proj`` ``kernel`` (transposed),
-``in_proj_bias`` thirds -> their ``bias``, ``out_proj.weight/bias`` -> ``out_proj/kernel`` (T) /
-``bias``.
-
-========================================  ========================================================
-torch key                                 Flax path
-========================================  ========================================================
-img.0.weight (512, C, 1, 1)               encoder/img/kernel = weight[:, :, 0, 0].T (C, 512)
-img.0.bias                                encoder/img/bias
-w_embedding.weight (W, 256)               encoder/pos_embedding/w_embedding
-h_embedding.weight (H, 256)               encoder/pos_embedding/h_embedding
-mlp.0.weight / mlp.0.bias                 encoder/mlp_0/kernel (T) / bias
-mlp.3.weight / mlp.3.bias                 encoder/mlp_3/kernel (T) / bias
-transformer.{l}.attention.in_proj_weight  encoder/transformer_{l}/attention/{q,k,v}_proj/kernel
-transformer.{l}.attention.in_proj_bias    encoder/transformer_{l}/attention/{q,k,v}_proj/bias
-transformer.{l}.attention.out_proj.{w,b}  encoder/transformer_{l}/attention/out_proj/{kernel,bias}
-transformer.{l}.norm1.{weight,bias}       encoder/transformer_{l}/norm1/{scale,bias}
-core.embed.weight (V, 300)                decoder/embed/embedding
-core.fc.0.{weight,bias}                   decoder/fc_0/{kernel (T), bias}
-core.fc.1.{weight,bias} (DC only, LN)     decoder/fc_1/{scale,bias}
-core.embed_fc.0.{weight,bias}             decoder/embed_fc_0/{kernel (T), bias}
-core.embed_fc.1.{weight,bias} (DC, LN)    decoder/embed_fc_1/{scale,bias}
-core.position_enc.pe (max_len, 300)       not a param: the constant sinusoid_table(max_len,
-                                          word_dim); a converter should assert allclose
-core.layer.{l}.self_att.in_proj_weight    decoder/layer_{l}/self_att/{q,k,v}_proj/kernel
-core.layer.{l}.self_att.in_proj_bias      decoder/layer_{l}/self_att/{q,k,v}_proj/bias
-core.layer.{l}.self_att.out_proj.{w,b}    decoder/layer_{l}/self_att/out_proj/{kernel,bias}
-core.layer.{l}.cross_att.*                decoder/layer_{l}/cross_att/... (as self_att)
-core.layer.{l}.norm{1,2,3}.{weight,bias}  decoder/layer_{l}/norm{1,2,3}/{scale,bias}
-core.layer.{l}.linear1.{weight,bias}      decoder/layer_{l}/linear1/{kernel (T), bias}
-core.layer.{l}.linear2.{weight,bias}      decoder/layer_{l}/linear2/{kernel (T), bias}
-logit.{weight,bias}                       decoder/logit/{kernel (T), bias}
-========================================  ========================================================
+Official checkpoints (tuyunbin/DIRL) convert with ``changecap_jax/convert/models/dirl.py``.
 
 The 1x1 projection's kernel row c is input channel c; with coordinates, rows C and C + 1 are the
 x and y channels (same order as AddSpatialInfo). Row 0 of ``decoder/embed/embedding`` must get a

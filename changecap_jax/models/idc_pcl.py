@@ -52,15 +52,7 @@ learnt at the CPU budgets measured (up to 3000 fine-tuning steps): the training 
 memorising the training scenes, the held-out accuracy stays near 50%. Official checkpoints
 are converted only with scale 1.0.
 
-Official state_dict key -> Flax param path (Appendix C; :func:`torch_key_to_flax`)
----------------------------------------------------------------------------------
-A numeric segment is joined to the one before it (``layers.0`` -> ``layers_0``,
-``img_project.0`` -> ``img_project_0``, ``sublayer.1`` -> ``sublayer_1``, ``pooler.0`` ->
-``pooler_0``, ``net.0`` -> ``net_0``). Leaves: Linear ``weight`` -> ``kernel`` = weight.T;
-Embedding ``weight`` -> ``embedding`` (``word_embedding``, ``position_encoding.type_pe``);
-``a_2`` / ``b_2`` and biases unchanged. Two keys are not params of their own:
-``position_encoding.pe`` is a constant (the same float64-evaluated table, compared on load) and
-``feat_regress.weight`` IS ``img_project.0.weight`` (one Flax param, ``img_project_0/kernel``).
+Official checkpoints (yaolinli/IDC) convert with ``changecap_jax/convert/models/idc_pcl.py``.
 
 Memory and attention maps (``models/base.py``): ``encode`` returns I; ``decode`` sows, per
 cross-modal block, the attention of the predicting (MASK) queries to the image/CLS keys, with
@@ -90,9 +82,7 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -931,61 +921,3 @@ def fda_loss(visual: Array, text_cls: Array, group: int = 7, temperature: float 
     sim = jnp.sum(l2_normalize(visual) * l2_normalize(text_cls), axis=-1).reshape(-1, group)
     log_probs = jax.nn.log_softmax(sim / temperature, axis=-1)
     return -jnp.mean(log_probs[:, 0])
-
-
-# --------------------------------------------------------------------------------------------
-# torch state_dict -> Flax params (§6, Appendix C)
-# --------------------------------------------------------------------------------------------
-
-_EMBEDDINGS = ("word_embedding.weight", "position_encoding.type_pe.weight")
-PE_KEY = "position_encoding.pe"
-TIED_KEY = "feat_regress.weight"
-
-
-def torch_key_to_flax(key: str) -> tuple[str, ...] | None:
-    """Official key -> Flax param path; None for the ``position_encoding.pe`` buffer (a
-    constant). ``feat_regress.weight`` maps to the tied ``img_project_0/kernel``."""
-    key = key.removeprefix("module.")
-    if key == PE_KEY:
-        return None
-    if key == TIED_KEY:
-        return ("img_project_0", "kernel")
-    path = re.sub(r"\.(\d+)(?=\.|$)", r"_\1", key).split(".")
-    if key in _EMBEDDINGS:
-        return (*path[:-1], "embedding")
-    if path[-1] == "weight":
-        return (*path[:-1], "kernel")
-    return tuple(path)
-
-
-def load_torch_state_dict(state_dict: Mapping[str, Any]) -> dict:
-    """Official state_dict (numpy arrays or torch tensors) -> Flax ``params`` tree.
-
-    Linear weights are transposed; the tied ``feat_regress.weight`` must equal
-    ``img_project.0.weight`` and becomes no extra param; ``position_encoding.pe`` must equal
-    :func:`idc_sinusoid_table` to 1e-6."""
-
-    def to_numpy(v: Any) -> np.ndarray:
-        v = v.detach().cpu().numpy() if hasattr(v, "detach") else v  # torch tensors
-        return np.asarray(v, np.float32)
-
-    arrays = {k.removeprefix("module."): to_numpy(v) for k, v in state_dict.items()}
-    params: dict = {}
-    for key, value in arrays.items():
-        path = torch_key_to_flax(key)
-        if path is None:
-            want = idc_sinusoid_table(value.shape[-2], value.shape[-1])
-            if not np.allclose(value.reshape(want.shape), want, atol=1e-6, rtol=0):
-                raise ValueError(f"{key} differs from the official sinusoid table")
-            continue
-        if key == TIED_KEY:
-            if not np.array_equal(value, arrays["img_project.0.weight"]):
-                raise ValueError("feat_regress.weight is not tied to img_project.0.weight")
-            continue
-        if path[-1] == "kernel":
-            value = value.T
-        node = params
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = jnp.asarray(value)
-    return params

@@ -38,60 +38,11 @@ Method
    every update :meth:`SCORERCBR.post_update` clamps the last layer's logit scale (and CBR's) to
    <= ln 100; the earlier layers' scales are never used (S-Q3).
 
-Official state_dict key -> Flax param path (Appendix A)
---------------------------------------------------------
-Mechanical rules (§1.1): ``.`` -> ``/``; a list / Sequential index ``name.N`` -> ``name_N``;
-Linear ``weight`` (out, in) -> ``kernel`` = weight.T; 1x1 Conv2d ``weight`` (out, in, 1, 1) ->
-``kernel`` = weight[:, :, 0, 0].T; Embedding ``weight`` -> ``embedding`` (nn.Embed) or the table
-itself (grid PE); LayerNorm ``weight`` -> ``scale``; ``bias`` unchanged; 0-d ``logit_scale``
-unchanged (0-d). ``change_detector_state`` keys live under ``params['encoder']``,
-``speaker_state`` keys (prefix ``core.`` dropped) under ``params['decoder']``, the (never
-checkpointed) CBR ``generator`` keys under ``params['cbr']``. {l} is the layer index.
+Official checkpoints (tuyunbin/SCORER) convert with ``changecap_jax/convert/models/scorer.py``.
 
-=============================================  ================================================
-torch key (shape)                              Flax path (shape) = conversion
-=============================================  ================================================
-img.0.weight (512, C, 1, 1)                    encoder/img_0/kernel (C, 512) = w[:, :, 0, 0].T
-img.0.bias (512)                               encoder/img_0/bias
-w_embedding.weight (14, 256)                   encoder/pos_embedding/w_embedding (unchanged)
-h_embedding.weight (14, 256)                   encoder/pos_embedding/h_embedding (unchanged)
-scorer.{l}.attention.logit_scale ()            encoder/scorer_{l}/attention/logit_scale ()
-scorer.{l}.attention.{query,key,value}.weight  encoder/scorer_{l}/attention/{query,key,value}/
-                                               kernel = weight.T
-scorer.{l}.attention.{query,key,value}.bias    encoder/scorer_{l}/attention/{query,key,value}/bias
-scorer.{l}.attention.layer_norm.weight / bias  encoder/scorer_{l}/attention/layer_norm/scale / bias
-embed_fc.0.weight (512, 1024) / bias           encoder/embed_fc_0/kernel (T) / bias
-core.embed.weight (V, 300)                     decoder/embed/embedding (unchanged)
-core.position_enc.pe (24, 300) [buffer]        not a param: the constant sinusoid_table(max_len,
-                                               word_dim); a converter should assert allclose
-core.fc.0.weight (512, 300) / bias             decoder/fc_0/kernel (T) / bias
-core.fc.2.weight / bias (LayerNorm)            decoder/fc_2/scale / bias
-core.layer.{l}.self_attention.{query,key,      decoder/layer_{l}/self_attention/{query,key,
-  value}.weight / bias                           value}/kernel (T) / bias
-core.layer.{l}.norm1.weight / bias             decoder/layer_{l}/norm1/scale / bias
-core.layer.{l}.dec_enc_attention.{query,key,   decoder/layer_{l}/dec_enc_attention/{query,key,
-  value}.weight / bias                           value}/kernel (T) / bias
-core.layer.{l}.hidden_intermediate.dense.      decoder/layer_{l}/hidden_intermediate/dense/
-  weight / bias                                  kernel (T) / bias
-core.layer.{l}.norm2.weight / bias             decoder/layer_{l}/norm2/scale / bias
-core.layer.{l}.output.dense.weight / bias      decoder/layer_{l}/output/dense/kernel (T) / bias
-core.layer.{l}.output.LayerNorm.weight / bias  decoder/layer_{l}/output/LayerNorm/scale / bias
-logit.weight (V, 512) / bias (V)               decoder/logit/kernel (512, V) (T) / bias
-conv1.weight (512, 1024, 1, 1) / bias          cbr/conv1/kernel (1024, 512) = w[:, :, 0, 0].T
-                                               / bias
-mh_att.in_proj_weight (1536, 512)              cbr/mh_att/q_proj/kernel = w[0:512].T,
-                                               k_proj/kernel = w[512:1024].T,
-                                               v_proj/kernel = w[1024:1536].T (no biases)
-mh_att.out_proj.weight (512, 512)              cbr/mh_att/out_proj/kernel = weight.T (no bias)
-conv2.0.weight (512, 512, 1, 1) / bias         cbr/conv2_0/kernel = w[:, :, 0, 0].T / bias
-contra.logit_scale ()                          cbr/contra/logit_scale ()
-contra.{query,key}.weight / bias               cbr/contra/{query,key}/kernel (T) / bias
-=============================================  ================================================
-
-Every torch key has exactly one Flax path and vice versa (the PE buffer excepted). Kernel row c
-of ``img_0`` is input channel c; with coordinates, rows C and C + 1 are the x and y channels (the
-AddSpatialInfo order). Rows 0-511 of ``cbr/conv1/kernel`` read X0_bef and rows 512-1023 the
-sentence vector. ``decoder/embed/embedding`` row 0 must get a zero gradient (torch
+Kernel row c of ``img_0`` is input channel c; with coordinates, rows C and C + 1 are the x and
+y channels (the AddSpatialInfo order). Rows 0-511 of ``cbr/conv1/kernel`` read X0_bef and rows
+512-1023 the sentence vector. ``decoder/embed/embedding`` row 0 must get a zero gradient (torch
 ``padding_idx=0``; the presets set ``optim.zero_grad_rows``); its value is NOT zero (S-Q7).
 
 Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_cache``,

@@ -4,7 +4,7 @@ An adapter says which official files to import and which yaml ``train.py`` reads
 official modules are built (in the official creation order, after ``torch.manual_seed``), how
 one training iteration forms its losses (the loop body of the official training script, with
 its hard-coded loss weights), what happens after ``optimizer.step()``, and which state_dicts
-feed the project's converter (``changecap_jax/convert/mapping.py``). Model sizes come from the
+feed the project's converter (``changecap_jax/convert/models/``). Model sizes come from the
 project config; everything about training (optimiser, schedule, clipping) from the official
 ``cfg``. Supported: DIRL+CCR (tuyunbin/DIRL, both decoder variants) and SCORER+CBR
 (tuyunbin/SCORER). Loss terms use the project's names: ``caption``, the auxiliary losses of
@@ -22,7 +22,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from changecap_jax.convert import mapping
+from changecap_jax.convert.models.scorer import GENERATOR
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 
 
 class ReproduceError(ValueError):
@@ -115,9 +116,9 @@ class Adapter:
         """What the official loop does after ``optimizer.step()`` (nothing by default)."""
 
     def sources(self, official: OfficialModel) -> dict[str, Any]:
-        """Converter source (``mapping.ENCODER`` ...) -> the official module holding it."""
-        return {mapping.ENCODER: official.modules["change_detector"],
-                mapping.DECODER: official.modules["speaker"]}
+        """Converter source (``ENCODER`` ...) -> the official module holding it."""
+        return {ENCODER: official.modules["change_detector"],
+                DECODER: official.modules["speaker"]}
 
     def states(self, official: OfficialModel) -> dict[str, dict[str, np.ndarray]]:
         """Converter sources -> {torch key: array} (the state_dicts)."""
@@ -328,7 +329,7 @@ class ScorerAdapter(Adapter):
         torch.clamp_(generator.contra.logit_scale.data, max=np.log(100))
 
     def sources(self, official: OfficialModel) -> dict[str, Any]:
-        return {**super().sources(official), mapping.GENERATOR: official.modules["generator"]}
+        return {**super().sources(official), GENERATOR: official.modules["generator"]}
 
 
 ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter()}

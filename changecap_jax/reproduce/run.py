@@ -39,8 +39,10 @@ import optax
 
 from changecap_jax import models, parallel, train
 from changecap_jax import synthetic_inputs as si
-from changecap_jax.convert import converter, mapping
+from changecap_jax.convert import converter, registry, tables
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
+from changecap_jax.data import datasets, pipeline
 from changecap_jax.reproduce import official as off
 from changecap_jax.reproduce.adapters import (
     Adapter,
@@ -52,7 +54,7 @@ from changecap_jax.reproduce.adapters import (
 )
 
 INPUTS = ("dataset", "random")
-OFFICIAL_SOURCES = (mapping.ENCODER, mapping.DECODER)  # in the official snapshot
+OFFICIAL_SOURCES = (ENCODER, DECODER)  # in the official snapshot
 # nn.Embedding(14, att_dim / 2) in models/DIRL.py and models/SCORER.py: the forward reads
 # rows 0..W-1 and 0..H-1 only, so a smaller grid compares the first rows.
 POSITION_TABLES = {"w_embedding.weight": "grid_width", "h_embedding.weight": "grid_height"}
@@ -80,7 +82,7 @@ class Options:
 class Inputs:
     """Where the batches come from, and the sizes both models are built with."""
 
-    sizes: mapping.Sizes
+    sizes: tables.Sizes
     steps_per_epoch: int
     description: str
     next_batch: Callable[[Any], dict[str, np.ndarray]]  # model -> the next host batch
@@ -103,8 +105,6 @@ class Result:
 
 def dataset_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs:
     """Training batches of the config's dataset, as the trainer draws them."""
-    from changecap_jax.data import datasets, pipeline
-
     ds = config.dataset
     try:
         dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
@@ -115,7 +115,7 @@ def dataset_inputs(config: ml_collections.ConfigDict, options: Options) -> Input
     source = dataset.split("train")
     h, w, c = dataset.meta.feature_shape
     max_len = config.decode.max_len or dataset.meta.max_caption_len
-    sizes = mapping.Sizes(len(dataset.vocab), max_len, c, h, w,
+    sizes = tables.Sizes(len(dataset.vocab), max_len, c, h, w,
                           f"the config's dataset {dataset.name!r}")
     iterator = iter(pipeline.train_loader(source, global_batch_size=config.batch_size,
                                           seed=config.seed, swap_prob=config.swap_prob))
@@ -133,7 +133,7 @@ def random_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs
         raise ReproduceError(str(e)) from e
     h, w, c = shapes.feature_shape
     max_len = config.decode.max_len or shapes.caption_len
-    sizes = mapping.Sizes(shapes.vocab_size, max_len, c, h, w, "random inputs")
+    sizes = tables.Sizes(shapes.vocab_size, max_len, c, h, w, "random inputs")
     counter = iter(range(1 << 30))
 
     def next_batch(model: Any) -> dict[str, np.ndarray]:
@@ -263,14 +263,14 @@ def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
 
 
 def trim_position_tables(states: dict[str, dict[str, np.ndarray]],
-                         sizes: mapping.Sizes) -> dict[str, dict[str, np.ndarray]]:
+                         sizes: tables.Sizes) -> dict[str, dict[str, np.ndarray]]:
     """The official grid position tables cut to the grid's rows (``POSITION_TABLES``)."""
-    encoder = dict(states[mapping.ENCODER])
+    encoder = dict(states[ENCODER])
     for key, size_name in POSITION_TABLES.items():
         rows = getattr(sizes, size_name)
         if key in encoder and encoder[key].shape[0] > rows:
             encoder[key] = encoder[key][:rows]
-    return {**states, mapping.ENCODER: encoder}
+    return {**states, ENCODER: encoder}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,26 +321,26 @@ def ours_step(side: OursSide, batch: dict[str, np.ndarray]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(out).items()}
 
 
-def float_noise_params(entries: list[mapping.Entry],
+def float_noise_params(entries: list[tables.Entry],
                        gradients: dict[str, dict[str, np.ndarray]]) -> tuple[str, ...]:
     """Our paths whose official gradient is float noise (below ``NOISE_FRACTION`` of the
     largest entry): the analytically zero gradients of a bias before the DIRL z-score or of an
     attention key bias under the softmax. Adam turns such noise into steps of about +-lr of
     random sign on each side, so these parameters drift apart by up to lr per step."""
-    flat = mapping.apply_table(entries, gradients)
+    flat = tables.apply_table(entries, gradients)
     largest = max(float(np.max(np.abs(g), initial=0.0)) for g in flat.values())
     return tuple(sorted(p for p, g in flat.items()
                         if 0.0 < float(np.max(np.abs(g), initial=0.0)) < NOISE_FRACTION * largest))
 
 
-def param_difference(entries: list[mapping.Entry], states: dict[str, dict[str, np.ndarray]],
+def param_difference(entries: list[tables.Entry], states: dict[str, dict[str, np.ndarray]],
                      params: Any, noise: tuple[str, ...], initial: dict[str, np.ndarray]
                      ) -> dict[str, Any]:
     """Over the parameters with a real gradient: the largest |official - ours| (and where it
     is) and ||official - ours|| / ||official - initial|| (how far apart the two are, relative
     to how far training moved them); and the largest |official - ours| over the float-noise
     ones."""
-    reference = mapping.apply_table(entries, states)
+    reference = tables.apply_table(entries, states)
     ours = flax.traverse_util.flatten_dict(jax.device_get(params), sep="/")
     worst, where, noisy, apart, moved = 0.0, "", 0.0, 0.0, 0.0
     for path, value in reference.items():
@@ -417,8 +417,8 @@ def compare(config: ml_collections.ConfigDict, options: Options,
         notes += adapter.differences(config, side.cfg)
         states = trim_position_tables(adapter.states(side.model), inputs.sizes)
         ours = build_ours(config, model, inputs, states)
-        entries = mapping.get_spec(config.model.name).table(config.model, inputs.sizes)
-        initial = mapping.apply_table(entries, states)
+        entries = registry.converter_for(config.model.name).table(config.model, inputs.sizes)
+        initial = tables.apply_table(entries, states)
         for step in range(1, options.steps + 1):
             batch = model_batch(model, inputs.next_batch(model))
             tb = torch_batch(batch, tuple(model.streams), side.model.spatial_info)
