@@ -745,21 +745,3 @@ def save_dataset_entities(
     path = Path(output) if output else dataset.directory / ENTITIES_FILE
     save_entities(path, extraction)
     return path, extraction
-
-
-def extract_dataset_entities(
-    name: str,
-    data_dir: str | os.PathLike | None,
-    variant: str = "",
-    options: Mapping[str, Any] | None = None,
-    *,
-    backend: Backend = "auto",
-    spacy_model: str | None = None,
-    output: str | os.PathLike | None = None,
-) -> tuple[Path, EntityExtraction]:
-    """:func:`save_dataset_entities` of a dataset found by name. Never builds a dataset."""
-    from changecap_jax.data import datasets
-
-    dataset = datasets.prepare(name, data_dir, variant, options, build_if_missing=False)
-    return save_dataset_entities(dataset, backend=backend, spacy_model=spacy_model,
-                                 output=output)
