@@ -82,7 +82,7 @@ import numpy as np
 from tqdm import tqdm
 
 from changecap_jax.data import entities as entity_lib
-from changecap_jax.data import entity_inputs
+from changecap_jax.data import entity_inputs, image_files
 from changecap_jax.jsonio import atomic_write, staging_dir
 
 FORMAT = entity_inputs.FORMAT
@@ -391,11 +391,9 @@ class ClipBackbone:
     def __init__(self, dataset: Any, clip_path: str | Path, *, batch_size: int = 32,
                  cache_dir: Path | None = None, stop_after_batches: int | None = None,
                  cache_every: int = 4):
-        from changecap_jax.data import datasets
-
         # Checked first: this error does not depend on torch being installed.
         source = dataset.split("train")
-        if len(source) == 0 or datasets.image_paths(dataset, source[0]) is None:
+        if len(source) == 0 or image_files.image_paths(dataset, source[0]) is None:
             raise ValueError(
                 f"dataset {dataset.name!r} ({dataset.directory}) has no saved image files, and "
                 "the CLIP backbone embeds the raw images (only the synthetic dataset keeps them "
@@ -450,8 +448,6 @@ class ClipBackbone:
         import torch
         from PIL import Image
 
-        from changecap_jax.data import datasets
-
         source = self.dataset.split(split)
         n = len(source)
         record_ids = np.array([int(source[i]["id"]) for i in range(n)], np.int64)
@@ -476,7 +472,7 @@ class ClipBackbone:
                             f"stopped after {self._batches} batches (stop_after_batches)")
                     images = []
                     for i in chunk:
-                        path = datasets.image_paths(self.dataset, source[done + i])[key]
+                        path = image_files.image_paths(self.dataset, source[done + i])[key]
                         with Image.open(path) as im:
                             images.append(im.convert("RGB"))
                     inputs = self.processor(images=images, return_tensors="pt").to(self.device)
