@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from changecap_jax import precision
 from changecap_jax.models.base import DecodingRules, decoding_rules
 
 Array = jax.Array
@@ -334,3 +335,28 @@ def beam_search(
         model, variables, before, after, int(beam_size), int(max_len), float(length_penalty),
         dict(conditioning or {}),
     )
+
+
+def decode_ids(model: nn.Module, params: Any, before: Array, after: Array, *,
+               decode_config: Any, max_len: int, key: Array,
+               conditioning: Mapping[str, Array] | None = None,
+               compute_dtype: Any = jnp.float32) -> Array:
+    """Caption ids (B, max_len) as ``decode_config`` (a config's ``decode`` block) asks:
+    beam search when ``beam_size`` > 1, else sampling with ``key`` when ``sample``, else greedy.
+    The parameters and inputs are cast to ``compute_dtype`` first (``precision``)."""
+    params, before, after, conditioning = precision.cast_floating(
+        (params, before, after, conditioning), compute_dtype)
+    variables = {"params": params}
+    decode = decode_config
+    if decode.get("beam_size", 1) > 1:
+        if decode.sample:
+            raise ValueError("decode.sample and decode.beam_size > 1 exclude each other")
+        return beam_search(model, variables, before, after,
+                           beam_size=decode.beam_size, max_len=max_len,
+                           length_penalty=decode.get("length_penalty", 0.0),
+                           conditioning=conditioning).ids
+    if decode.sample:
+        return sample_decode(model, variables, before, after, key,
+                             max_len=max_len, conditioning=conditioning).ids
+    return greedy_decode(model, variables, before, after,
+                         max_len=max_len, conditioning=conditioning).ids
