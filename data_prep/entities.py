@@ -18,6 +18,7 @@ from typing import Any
 
 from absl import app, flags
 
+from changecap_jax import cli
 from changecap_jax.data import building, datasets
 from changecap_jax.data import entities as lib
 from changecap_jax.data.entities import *  # noqa: F403  (its API, importable from here as before)
@@ -88,7 +89,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     _define_flags()
     cli.run(main)
