@@ -370,6 +370,22 @@ def _next_verb(tokens: Sequence[str], i: int) -> int | None:
     return None
 
 
+def _after_leading_place(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
+    """:func:`_rule_parse` of a caption opening with a place phrase ("in the after image"):
+    the subject after it, or LEADING_PP."""
+    n = len(tokens)
+    for j in range(1, n - 1):
+        if tokens[j] == "there" and tokens[j + 1] in _AUX:
+            return _rule_parse(tokens[j:], allow_fragment)
+    place, end = _noun_phrase(tokens, 1)
+    if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
+        # the place phrase ended where the subject starts: "in the lot a car ..."
+        return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
+    if "," in tokens:
+        return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
+    return None, LEADING_PP
+
+
 def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | None, str | None]:
     n = len(tokens)
     if not n:
@@ -404,16 +420,7 @@ def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | 
     # "in the after image(,) the cube is gone" / "in the second picture there is a car"
     if tokens[0] in _PREPOSITIONS and tokens[:2] not in (["at", "least"], ["at", "most"]) and not (
             tokens[0] in _ADJECTIVE_PREPOSITIONS and n > 1 and tokens[1] in _IMAGE_WORDS):
-        for j in range(1, n - 1):
-            if tokens[j] == "there" and tokens[j + 1] in _AUX:
-                return _rule_parse(tokens[j:], allow_fragment)
-        place, end = _noun_phrase(tokens, 1)
-        if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
-            # the place phrase ended where the subject starts: "in the lot a car ..."
-            return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
-        if "," in tokens:
-            return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
-        return None, LEADING_PP
+        return _after_leading_place(tokens, allow_fragment)
     words, end = _noun_phrase(tokens, 0)
     reason = _check_phrase(words, end, n, allow_fragment)
     if reason:
@@ -649,24 +656,10 @@ def _require(data: Mapping, path: Path, key: str, kind: type, where: str = "") -
     return value
 
 
-def load_entities(path: str | os.PathLike) -> EntityExtraction:
-    """Reads an ``entities.json``; a malformed file raises ValueError naming it and the key."""
-    path = Path(path)
-    data = read_json(path, "entity file")
-    if not isinstance(data, dict):
-        raise ValueError(f"entity file {path}: expected a JSON object, got "
-                         f"{type(data).__name__}")
-    if data.get("format") != FORMAT:
-        raise _fail(path, "format", f"is {data.get('format')!r}, expected {FORMAT!r}")
-    backend = _require(data, path, "backend", str)
-    if backend not in ("spacy", "rules"):
-        raise _fail(path, "backend", f"is {backend!r}, expected 'spacy' or 'rules'")
-    counts = {k: _require(data, path, k, int) for k in
-              ("num_captions", "num_parsed", "num_unparsed", "num_no_change", "num_empty")}
-    for key, value in counts.items():
-        if value < 0:
-            raise _fail(path, key, f"is negative ({value})")
-    entities = []
+def _read_entity_list(data: dict[str, Any], path: Path) -> list[Entity]:
+    """The "entities" list of an entities.json, checked: ids are positions, texts non-empty,
+    counts >= 1, sorted by descending count then text."""
+    entities: list[Entity] = []
     for i, item in enumerate(_require(data, path, "entities", list)):
         key = f"entities[{i}]"
         if not isinstance(item, dict):
@@ -684,6 +677,27 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
             raise _fail(path, f"{key}", "is out of order or repeated (entities are sorted by "
                         "descending count, then text, each text once)")
         entities.append(Entity(eid, text, count))
+    return entities
+
+
+def load_entities(path: str | os.PathLike) -> EntityExtraction:
+    """Reads an ``entities.json``; a malformed file raises ValueError naming it and the key."""
+    path = Path(path)
+    data = read_json(path, "entity file")
+    if not isinstance(data, dict):
+        raise ValueError(f"entity file {path}: expected a JSON object, got "
+                         f"{type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise _fail(path, "format", f"is {data.get('format')!r}, expected {FORMAT!r}")
+    backend = _require(data, path, "backend", str)
+    if backend not in ("spacy", "rules"):
+        raise _fail(path, "backend", f"is {backend!r}, expected 'spacy' or 'rules'")
+    counts = {k: _require(data, path, k, int) for k in
+              ("num_captions", "num_parsed", "num_unparsed", "num_no_change", "num_empty")}
+    for key, value in counts.items():
+        if value < 0:
+            raise _fail(path, key, f"is negative ({value})")
+    entities = _read_entity_list(data, path)
     known = {e.text for e in entities}
     captions = _require(data, path, "captions", dict)
     for caption, entity in captions.items():

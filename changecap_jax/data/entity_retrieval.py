@@ -572,20 +572,17 @@ def _split_accuracy(source: Any, ids: np.ndarray, texts: Sequence[str],
     return retrieval_accuracy(ids, texts, refs, entity_of)
 
 
-def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None = None,
-                  k: int = DEFAULT_K, difference: str = "signed",
-                  splits: Sequence[str] | None = None, overwrite: bool = False,
-                  contrastive: ContrastiveSettings | None = None,
-                  clip_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Writes ``<dataset directory>/entity_retrieval`` (see the module docstring) and returns
-    its meta.json content. ``dataset`` is a ``datasets.PreparedDataset``."""
+def _checked_request(dataset: Any, out: Path, k: int, difference: str,
+                     splits: Sequence[str] | None, overwrite: bool) -> tuple[Any, list[str]]:
+    """(the dataset's entity extraction, the splits to retrieve for), once the request is
+    checked: entities extracted, ``out`` free (or ``overwrite``), a known difference, k within
+    the entities, known splits."""
     entities_path = dataset.directory / entity_lib.ENTITIES_FILE
     if not entities_path.exists():
         raise FileNotFoundError(
             f"{entities_path} does not exist: extract the change entities first with "
             f"python -m data_prep.entities --dataset={dataset.name} --data_dir=<the data "
             "directory the dataset was built in> (and the same --variant and build flags)")
-    out = dataset.directory / RETRIEVAL_DIR
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     if difference not in DIFFERENCES:
@@ -599,6 +596,19 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
     splits = list(splits or all_splits)
     if unknown := sorted(set(splits) - set(all_splits)):
         raise ValueError(f"unknown splits {unknown}; the dataset has {all_splits}")
+    return extraction, splits
+
+
+def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None = None,
+                  k: int = DEFAULT_K, difference: str = "signed",
+                  splits: Sequence[str] | None = None, overwrite: bool = False,
+                  contrastive: ContrastiveSettings | None = None,
+                  clip_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Writes ``<dataset directory>/entity_retrieval`` (see the module docstring) and returns
+    its meta.json content. ``dataset`` is a ``datasets.PreparedDataset``."""
+    out = dataset.directory / RETRIEVAL_DIR
+    extraction, splits = _checked_request(dataset, out, k, difference, splits, overwrite)
+    texts = extraction.texts
     if backbone == "auto":
         backbone = "clip" if clip_path else "contrastive"
     model = _make_backbone(dataset, backbone, clip_path, difference, extraction, contrastive,

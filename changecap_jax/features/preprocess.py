@@ -202,6 +202,15 @@ def resize_cubic_numpy(
         return out[:, :, 0] if squeeze else out
     if flavour != "opencv":
         raise ValueError(f"unknown resize flavour {flavour!r}; expected 'opencv' or 'ipp'")
+    out = _resize_opencv(img, width, height, sx, sy)
+    return out[:, :, 0] if squeeze else out
+
+
+def _resize_opencv(img: np.ndarray, width: int, height: int, sx: float, sy: float
+                   ) -> np.ndarray:
+    """OpenCV's own uint8 ``INTER_CUBIC`` of an H x W x C image, inverse scales ``sx``, ``sy``
+    (the module docstring's two passes)."""
+    src_h, src_w, cn = img.shape
     xidx, alpha = _axis_taps(src_w, width, sx)
     yidx, beta = _axis_taps(src_h, height, sy)
 
@@ -228,8 +237,7 @@ def resize_cubic_numpy(
     shift = 2 * _COEF_BITS
     out[:, n_vec:] = (tail + (1 << (shift - 1))) >> shift
 
-    result = np.clip(out, 0, 255).astype(np.uint8).reshape(height, width, cn)
-    return result[:, :, 0] if squeeze else result
+    return np.clip(out, 0, 255).astype(np.uint8).reshape(height, width, cn)
 
 
 def resize_cubic(
