@@ -4,7 +4,8 @@
     python -m changecap_jax.benchmark --config=configs/dirl.py:clevr_change --synthetic_inputs \
         [--batch_size=16] [--steps=5] [--json=bench.json]
 
-With the config's dataset (the default) the trainer is built as for training. With
+With the config's dataset (the default) the experiment is built as for training
+(``experiment.build``) and its step and state as the trainer makes them. With
 ``--synthetic_inputs`` no dataset is read or built: the model, optimiser and step are built from
 the config alone (``models.build``, ``train.make_optimizer``, ``train.make_train_step``) and fed
 random batches of the dataset's shapes (``changecap_jax/synthetic_inputs.py``: ResNet-101 grids,
@@ -38,7 +39,6 @@ import dataclasses
 import json
 import resource
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +49,16 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import decoding, models, parallel, precision, train
+from changecap_jax import (
+    cli,
+    compile_cache,
+    decoding,
+    experiment,
+    models,
+    parallel,
+    precision,
+    train,
+)
 from changecap_jax import synthetic_inputs as si
 from changecap_jax.data import pipeline
 from changecap_jax.errors import UserError
@@ -73,7 +82,7 @@ class Setup:
     batches: list[dict[str, jax.Array]]  # global training batches, cycled
     decode_inputs: dict[str, Any]  # before, after, conditioning of one eval batch
     max_len: int
-    trainer: Any = None  # the train.Trainer, with a dataset
+    experiment: Any = None  # the experiment.Experiment, with a dataset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,19 +105,39 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
             "fine-tuning preset")
 
 
-def trainer_setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
-    trainer = train.Trainer(config, workdir)
-    iterator = iter(trainer.train_loader())
-    batches = [pipeline.to_global(next(iterator), trainer.data_sharding)
-               for _ in range(WARMUP_BATCHES)]
+def dataset_setup(config: ml_collections.ConfigDict) -> Setup:
+    """The step, fresh state and batches of training on the config's dataset, made as
+    ``train.Trainer`` makes them."""
+    exp = experiment.build(config)
+    optimizer, schedule = train.make_optimizer(config.optim, exp.steps_per_epoch)
+    step = train.make_train_step(exp.model, optimizer, dict(config.loss_weights), exp.mesh,
+                                 dict(config.optim.zero_grad_rows), schedule,
+                                 compute_dtype=exp.compute_dtype)
+    # One example's fields give the parameters' shapes (Trainer.init_state's example).
+    example = next(iter(pipeline.train_loader(exp.dataset.split("train"), global_batch_size=1,
+                                              seed=0, pair_fields=exp.dataset.pair_fields)))
+    state = train.init_train_state(exp.model, optimizer, pipeline.device_fields(example),
+                                   exp.mesh, jax.random.PRNGKey(config.seed))
+    sharding = parallel.batch_sharding(exp.mesh)
+    iterator = iter(train_loader(exp))
+    batches = [pipeline.to_global(next(iterator), sharding) for _ in range(WARMUP_BATCHES)]
     eval_batch = next(pipeline.eval_batches(
-        trainer.dataset.split("val"), global_batch_size=config.eval_batch_size))
-    fields = ("before", "after_semantic", *(f"{c}_semantic" for c in trainer.conditioning))
-    arrays = pipeline.to_global(eval_batch, trainer.data_sharding, fields=fields)
+        exp.dataset.split("val"), global_batch_size=config.eval_batch_size))
+    fields = ("before", "after_semantic", *(f"{c}_semantic" for c in exp.conditioning))
+    arrays = pipeline.to_global(eval_batch, sharding, fields=fields)
     decode_inputs = {"before": arrays["before"], "after": arrays["after_semantic"],
-                     "conditioning": {c: arrays[f"{c}_semantic"] for c in trainer.conditioning}}
-    return Setup(trainer.model, trainer.train_step, trainer.init_state(), batches, decode_inputs,
-                 trainer.max_len, trainer)
+                     "conditioning": {c: arrays[f"{c}_semantic"] for c in exp.conditioning}}
+    return Setup(exp.model, step, state, batches, decode_inputs, exp.max_len, exp)
+
+
+def train_loader(exp: experiment.Experiment) -> pipeline.TrainLoader:
+    """This process's training batches as the trainer reads them (``config.data``)."""
+    config = exp.config
+    return pipeline.train_loader(
+        exp.dataset.split("train"), global_batch_size=config.batch_size, seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        swap_prob=config.swap_prob, pair_fields=exp.dataset.pair_fields,
+        read=pipeline.read_ahead(config.get("data"), training=True))
 
 
 def synthetic_setup(config: ml_collections.ConfigDict, shapes: Any) -> Setup:
@@ -226,19 +255,20 @@ def time_decode(setup: Setup, batches: int, compute_dtype: Any = jnp.float32) ->
             "decode_s_per_batch": statistics.median(once() for _ in range(batches))}
 
 
-def time_input(trainer: Any, batches: int) -> dict[str, Any]:
-    """Examples/s of the trainer's input pipeline alone: the loader's next batch and its
+def time_input(exp: experiment.Experiment | None, batches: int) -> dict[str, Any]:
+    """Examples/s of the experiment's input pipeline alone: the loader's next batch and its
     transfer to the devices, as the training loop does them, without the step."""
-    if trainer is None or batches <= 0:
+    if exp is None or batches <= 0:
         return {"input_examples_per_s": None, "input_batches": None}
-    iterator = iter(trainer.train_loader())
+    sharding = parallel.batch_sharding(exp.mesh)
+    iterator = iter(train_loader(exp))
     # The first batch opens the record files and starts grain's readers: not timed.
-    jax.block_until_ready(pipeline.to_global(next(iterator), trainer.data_sharding))
+    jax.block_until_ready(pipeline.to_global(next(iterator), sharding))
     t0 = time.perf_counter()
     for _ in range(batches):
-        jax.block_until_ready(pipeline.to_global(next(iterator), trainer.data_sharding))
+        jax.block_until_ready(pipeline.to_global(next(iterator), sharding))
     elapsed = time.perf_counter() - t0
-    return {"input_examples_per_s": batches * trainer.config.batch_size / elapsed,
+    return {"input_examples_per_s": batches * exp.config.batch_size / elapsed,
             "input_batches": batches}
 
 
@@ -272,16 +302,15 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
     check_supported(config)
     if steps < 1:
         raise BenchmarkError(f"steps must be >= 1, got {steps}")
-    with tempfile.TemporaryDirectory(prefix="changecap_bench_") as workdir:
-        if synthetic_inputs:
-            shapes = shapes or si.input_shapes(config)
-            setup = synthetic_setup(config, shapes)
-        else:
-            setup = trainer_setup(config, workdir)
-        results = time_train_step(setup, steps, matmul_size)
-        results["examples_per_s"] = config.batch_size / results["step_s"]
-        results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
-        results.update(time_input(setup.trainer, input_batches))
+    if synthetic_inputs:
+        shapes = shapes or si.input_shapes(config)
+        setup = synthetic_setup(config, shapes)
+    else:
+        setup = dataset_setup(config)
+    results = time_train_step(setup, steps, matmul_size)
+    results["examples_per_s"] = config.batch_size / results["step_s"]
+    results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
+    results.update(time_input(setup.experiment, input_batches))
     results["bottleneck"] = bottleneck(results["examples_per_s"],
                                        results["input_examples_per_s"])
     results.update(
@@ -389,8 +418,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli, compile_cache
-
     define_flags()
     flags.mark_flag_as_required("config")
     compile_cache.enable()

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from changecap_jax import losses
+from changecap_jax import cli, compile_cache, losses
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 128, "Global batch B (rows and columns of S).")
@@ -85,7 +85,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     cli.run(main)

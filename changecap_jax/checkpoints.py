@@ -13,6 +13,11 @@ renamed to ``<step>.damaged``: orbax silently skips a save at a step not newer t
 step, so a damaged directory left in place would shadow the run's next save of that step.
 The renamed directory stays for inspection; orbax lists only all-digit names, so it ignores
 it (and never deletes it: the user does).
+
+Without a trainer: :func:`restore_params` (a model's parameters, as exported or shown in a
+report) and :func:`restore_state` (a whole train state shaped like the one given) restore a
+workdir's checkpoint through :func:`restore`; :func:`best_first_steps` is the order in which
+"the best" checkpoint is looked for.
 """
 
 from __future__ import annotations
@@ -26,15 +31,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers
 
+# The step listing lives in checkpoint_steps (no JAX) and is importable from here too.
+from changecap_jax.checkpoint_steps import has_steps, latest_step, steps  # noqa: F401
 from changecap_jax.errors import UserError
+from changecap_jax.jsonio import read_json
 
 METADATA_FILE = "_CHECKPOINT_METADATA"  # a step's: the items it holds, its metrics
 ITEM_METADATA_FILE = "_METADATA"  # a pytree item's tree structure
 DAMAGED_SUFFIX = ".damaged"
+CHECKPOINTS_DIR = "checkpoints"  # a workdir's orbax folder
 # TensorStore's status codes for a file that is truncated, corrupt or gone (its errors reach
 # us as ValueError("CODE: ...")); a wrong target shape or dtype raises other errors.
 TENSORSTORE_DAMAGE = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION): ")
@@ -53,8 +64,7 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
     every save is atomic (written to a temporary directory, renamed when complete) and
     multi-host safe.
     """
-    from orbax.checkpoint import checkpoint_managers as cm
-
+    cm = checkpoint_managers
     policy = cm.AnyPreservationPolicy([
         cm.LatestN(keep),
         # Ascending sort, the last n kept: the highest CIDEr survives.
@@ -244,3 +254,82 @@ def _free_name(directory: Path, name: str) -> str:
         k += 1
         candidate = f"{name}.{k}"
     return candidate
+
+
+# ---------------------------------------------------------------------------------------------
+# Restoring without a trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def best_first_steps(workdir: str | os.PathLike) -> list[int]:
+    """A workdir's checkpoints, best val CIDEr (``metrics/val_<step>.json``) first, then the
+    unscored ones latest first: where "the best" checkpoint is looked for, passing damaged
+    ones."""
+    workdir = Path(workdir)
+    scored, unscored = [], []
+    for step in steps(workdir / CHECKPOINTS_DIR):
+        path = workdir / "metrics" / f"val_{step}.json"
+        if path.exists():
+            scored.append((float(read_json(path, "metrics file")["CIDEr"]), step))
+        else:
+            unscored.append(step)
+    return [int(s) for _, s in sorted(scored, reverse=True)] + sorted(unscored, reverse=True)
+
+
+def _restore_item(workdir: str | os.PathLike, state_args: Any,
+                  step: int | str | None) -> tuple[int, Any]:
+    """(step, the "state" item) of ``step``: a number, None (the latest intact) or "best"
+    (the first intact of :func:`best_first_steps`)."""
+    directory = Path(workdir) / CHECKPOINTS_DIR
+    if not has_steps(directory):  # before the manager, which would create the folder
+        raise CheckpointError(f"no checkpoint in {directory}")
+    if step == "best":
+        order, step = best_first_steps(workdir), None
+    else:
+        order = None
+    manager = make_checkpoint_manager(directory, 1)
+    restored_step, restored = restore(manager, lambda s, items: {"state": state_args},
+                                      step=step, order=order)
+    logging.info("restored checkpoint of step %d from %s", restored_step, directory)
+    return restored_step, restored["state"]
+
+
+def restore_state(workdir: str | os.PathLike, like_state: Any, *,
+                  step: int | str | None = None) -> tuple[int, Any]:
+    """(step, train state) of a workdir's checkpoint, restored into the structure, dtypes and
+    shardings of ``like_state`` (e.g. a freshly initialised one). ``step``: a number, None
+    (the latest intact) or "best"; damaged steps are passed as :func:`restore` does."""
+    return _restore_item(workdir, ocp.args.StandardRestore(like_state), step)
+
+
+def restore_params(workdir: str | os.PathLike, like_params: Any, *,
+                   step: int | str | None = None) -> tuple[int, Any]:
+    """(step, parameters) of a workdir's checkpoint, without its optimiser state: no optimiser
+    is needed to describe what to restore. ``like_params`` (arrays or ``jax.ShapeDtypeStruct``)
+    gives the tree, shapes and dtypes, and the sharding where its leaves have one; a
+    checkpoint of another tree or shape is an error. ``step`` as :func:`restore_state`."""
+    _, state = _restore_item(workdir, ocp.args.StandardRestore(), step)
+    params = _like(like_params, state["params"], f"checkpoint in {workdir}")
+    return int(state["step"]), params
+
+
+def _like(like: Any, restored: Any, where: str) -> Any:
+    """``restored`` in ``like``'s dtypes (and shardings, where given); errors naming the first
+    difference of tree or shape."""
+    like_paths = dict(jax.tree_util.tree_flatten_with_path(like)[0])
+    got_paths = dict(jax.tree_util.tree_flatten_with_path(restored)[0])
+    if like_paths.keys() != got_paths.keys():
+        differ = sorted(jax.tree_util.keystr(k) for k in like_paths.keys() ^ got_paths.keys())
+        raise ValueError(f"{where}: the parameters do not fit the model; differing: {differ[:8]}")
+    for path, leaf in like_paths.items():
+        if tuple(np.shape(got_paths[path])) != tuple(leaf.shape):
+            raise ValueError(f"{where}: parameter {jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(np.shape(got_paths[path]))}, the model's is {leaf.shape}")
+
+    def put(leaf: Any, value: Any) -> Any:
+        value = jnp.asarray(value, leaf.dtype)
+        sharding = getattr(leaf, "sharding", None)
+        return jax.device_put(value, sharding) if sharding is not None else value
+
+    leaves = [put(leaf, got_paths[path]) for path, leaf in like_paths.items()]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from changecap_jax import precision
 from changecap_jax.models.base import DecodingRules, decoding_rules
 
 Array = jax.Array
@@ -242,13 +243,6 @@ def _beam_search(
     memory = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), memory)
     _, state = model.apply(variables, memory, max_len, method="init_cache", mutable=["cache"])
 
-    ids = jnp.zeros((batch, K, max_len), jnp.int32).at[:, :, 0].set(rules.start_id)
-    log_probs = jnp.zeros((batch, K, max_len), jnp.float32)
-    # Only beam 0 is live at first, so step 0 expands one copy of START instead of K.
-    scores = jnp.full((batch, K), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
-    finished = jnp.broadcast_to(jnp.arange(K) > 0, (batch, K))
-    lengths = jnp.zeros((batch, K), jnp.int32)
-    symbol = jnp.full((batch * K,), rules.start_id, jnp.int32)
     row_base = jnp.arange(batch)[:, None] * K
 
     def cond(carry: tuple) -> Array:
@@ -266,18 +260,7 @@ def _beam_search(
         # and it keeps competing for a slot with the live beams.
         pad_only = jnp.where(jnp.arange(vocab) == PAD_ID, 0.0, -jnp.inf)
         lp = jnp.where(finished[..., None], pad_only, lp)
-        # Two-stage top-k (same selection as top-K of all K*V candidates, since a global winner
-        # is among its own beam's top K): ranking inside a beam on the log-probs themselves, not
-        # on score + log-prob, keeps float rounding from merging them into ties, and lax.top_k,
-        # like argmax, puts the lower index first on a tie, so K = 1 is greedy exactly.
-        per_beam = min(K, vocab)
-        top_lp, top_tok = jax.lax.top_k(lp, per_beam)  # (B, K, per_beam)
-        candidates = (scores[..., None] + top_lp).reshape(batch, K * per_beam)
-        scores, flat = jax.lax.top_k(candidates, K)
-        parent = flat // per_beam
-        token = jnp.take_along_axis(top_tok.reshape(batch, -1), flat, axis=1)
-        chosen = jnp.take_along_axis(top_lp.reshape(batch, -1), flat, axis=1)
-
+        scores, parent, token, chosen = _select_beams(lp, scores)
         live = jnp.logical_not(jnp.take_along_axis(finished, parent, axis=1))
         # -inf only arises from filler beams, which then stay finished (as filler).
         finished = (~live) | (token == rules.end_id) | jnp.isneginf(scores)
@@ -293,13 +276,51 @@ def _beam_search(
         cache = jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0), mutated["cache"])
         return k + 1, new_symbol.reshape(-1), finished, scores, lengths, ids, log_probs, cache
 
-    init = (jnp.int32(0), symbol, finished, scores, lengths, ids, log_probs, state["cache"])
+    init = (*_beam_start(batch, K, max_len, rules.start_id), state["cache"])
     _, _, _, scores, lengths, ids, log_probs, _ = jax.lax.while_loop(cond, body, init)
 
+    return _final_beams(scores, lengths, ids, log_probs, length_penalty)
+
+
+def _beam_start(batch: int, K: int, max_len: int, start_id: int) -> tuple:
+    """The loop's first carry but the cache: (step, symbol, finished, scores, lengths, ids,
+    log_probs)."""
+    ids = jnp.zeros((batch, K, max_len), jnp.int32).at[:, :, 0].set(start_id)
+    log_probs = jnp.zeros((batch, K, max_len), jnp.float32)
+    # Only beam 0 is live at first, so step 0 expands one copy of START instead of K.
+    scores = jnp.full((batch, K), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    finished = jnp.broadcast_to(jnp.arange(K) > 0, (batch, K))
+    lengths = jnp.zeros((batch, K), jnp.int32)
+    symbol = jnp.full((batch * K,), start_id, jnp.int32)
+    return jnp.int32(0), symbol, finished, scores, lengths, ids, log_probs
+
+
+def _select_beams(lp: Array, scores: Array) -> tuple[Array, Array, Array, Array]:
+    """One beam step's K survivors of (B, K, V) next-token log-probs ``lp`` and (B, K) beam
+    scores: (new scores, parent beam, token, its log-prob), each (B, K).
+
+    Two-stage top-k (same selection as top-K of all K*V candidates, since a global winner is
+    among its own beam's top K): ranking inside a beam on the log-probs themselves, not on
+    score + log-prob, keeps float rounding from merging them into ties, and lax.top_k, like
+    argmax, puts the lower index first on a tie, so K = 1 is greedy exactly."""
+    batch, K, vocab = lp.shape
+    per_beam = min(K, vocab)
+    top_lp, top_tok = jax.lax.top_k(lp, per_beam)  # (B, K, per_beam)
+    candidates = (scores[..., None] + top_lp).reshape(batch, K * per_beam)
+    scores, flat = jax.lax.top_k(candidates, K)
+    parent = flat // per_beam
+    token = jnp.take_along_axis(top_tok.reshape(batch, -1), flat, axis=1)
+    chosen = jnp.take_along_axis(top_lp.reshape(batch, -1), flat, axis=1)
+    return scores, parent, token, chosen
+
+
+def _final_beams(scores: Array, lengths: Array, ids: Array, log_probs: Array,
+                 length_penalty: float) -> BeamOutput:
+    """The K final hypotheses ranked by score, length-penalised when alpha != 0."""
     ranking = scores
     if length_penalty != 0.0:  # static: alpha = 0 keeps the raw sums bit for bit
         ranking = scores / gnmt_length_penalty(lengths, length_penalty)
-    beam_scores, order = jax.lax.top_k(ranking, K)
+    beam_scores, order = jax.lax.top_k(ranking, scores.shape[1])
     beam_ids = jnp.take_along_axis(ids, order[..., None], axis=1)
     beam_log_probs = jnp.take_along_axis(log_probs, order[..., None], axis=1)
     return BeamOutput(
@@ -334,3 +355,28 @@ def beam_search(
         model, variables, before, after, int(beam_size), int(max_len), float(length_penalty),
         dict(conditioning or {}),
     )
+
+
+def decode_ids(model: nn.Module, params: Any, before: Array, after: Array, *,
+               decode_config: Any, max_len: int, key: Array,
+               conditioning: Mapping[str, Array] | None = None,
+               compute_dtype: Any = jnp.float32) -> Array:
+    """Caption ids (B, max_len) as ``decode_config`` (a config's ``decode`` block) asks:
+    beam search when ``beam_size`` > 1, else sampling with ``key`` when ``sample``, else greedy.
+    The parameters and inputs are cast to ``compute_dtype`` first (``precision``)."""
+    params, before, after, conditioning = precision.cast_floating(
+        (params, before, after, conditioning), compute_dtype)
+    variables = {"params": params}
+    decode = decode_config
+    if decode.get("beam_size", 1) > 1:
+        if decode.sample:
+            raise ValueError("decode.sample and decode.beam_size > 1 exclude each other")
+        return beam_search(model, variables, before, after,
+                           beam_size=decode.beam_size, max_len=max_len,
+                           length_penalty=decode.get("length_penalty", 0.0),
+                           conditioning=conditioning).ids
+    if decode.sample:
+        return sample_decode(model, variables, before, after, key,
+                             max_len=max_len, conditioning=conditioning).ids
+    return greedy_decode(model, variables, before, after,
+                         max_len=max_len, conditioning=conditioning).ids

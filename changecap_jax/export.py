@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
-from changecap_jax import models
+from changecap_jax import checkpoints, cli, compile_cache, experiment, models
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
@@ -89,9 +91,9 @@ def _check_trained_workdir(workdir: Path) -> None:
     if not workdir.is_dir():
         raise ExportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
                           "run (python -m changecap_jax.main --workdir=...)")
-    checkpoints = workdir / "checkpoints"
-    if not checkpoints.is_dir() or not any(checkpoints.iterdir()):
-        raise ExportError(f"{workdir} holds no checkpoint ({checkpoints} is missing or empty): "
+    directory = workdir / checkpoints.CHECKPOINTS_DIR
+    if not directory.is_dir() or not any(directory.iterdir()):
+        raise ExportError(f"{workdir} holds no checkpoint ({directory} is missing or empty): "
                           "nothing was trained there")
 
 
@@ -162,11 +164,17 @@ def example_batch(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[st
     return batch
 
 
+def abstract_params(model: Any, meta: schema.DatasetMeta, max_len: int) -> Any:
+    """The parameter tree of ``model`` on data of ``meta``, as ``jax.ShapeDtypeStruct`` leaves
+    (no compute): what ``checkpoints.restore_params`` restores into."""
+    batch = example_batch(model, meta, max_len)
+    return jax.eval_shape(
+        lambda b: model.init({"params": jax.random.key(0)}, b, train=False), batch)["params"]
+
+
 def parameter_shapes(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[str, tuple]:
     """'/'-joined parameter path -> shape, for ``model`` on data of ``meta`` (no compute)."""
-    batch = example_batch(model, meta, max_len)
-    shapes = jax.eval_shape(
-        lambda b: model.init({"params": jax.random.key(0)}, b, train=False), batch)["params"]
+    shapes = abstract_params(model, meta, max_len)
     return {"/".join(k): tuple(v.shape)
             for k, v in flax.traverse_util.flatten_dict(shapes).items()}
 
@@ -197,64 +205,65 @@ def _metrics_at(workdir: Path, step: int) -> dict[str, Any]:
     return metrics
 
 
-def _preferred_steps(manager: Any, workdir: Path) -> list[int]:
-    """The kept checkpoints, best val CIDEr (metrics/val_<step>.json) first, then the
-    unscored ones latest first: the order in which export passes damaged checkpoints."""
-    scored, unscored = [], []
-    for step in manager.all_steps():
-        path = workdir / "metrics" / f"val_{step}.json"
-        if path.exists():
-            scored.append((float(read_json(path, "metrics file")["CIDEr"]), step))
-        else:
-            unscored.append(step)
-    return [int(s) for _, s in sorted(scored, reverse=True)] + sorted(unscored, reverse=True)
-
-
 def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
                  config: ml_collections.ConfigDict | None = None,
                  weights: str | None = None) -> Path:
     """Writes the export directory ``out`` from a workdir's checkpoint (see the module
     docstring); atomic: a temporary sibling directory renamed at the end."""
-    from changecap_jax import checkpoints, train
-
     workdir, out = Path(workdir), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
-    _check_trained_workdir(workdir)  # before the trainer, which would create checkpoints/
+    _check_trained_workdir(workdir)  # before the dataset is opened (or built)
     config = config if config is not None else load_workdir_config(workdir)
-    trainer = train.Trainer(config, workdir)
-    manager = trainer.checkpoint_manager()
-    if manager.latest_step() is None:
-        raise ExportError(f"no checkpoint in {workdir / 'checkpoints'}")
-    if step is not None and step not in manager.all_steps():
-        raise ExportError(f"no checkpoint of step {step} in {workdir / 'checkpoints'}; "
-                          f"there are {sorted(manager.all_steps())}")
-    order = _preferred_steps(manager, workdir) if step is None else None
-    try:
-        state = trainer.restore(manager, trainer.init_state(), step=step, order=order)
-    except checkpoints.CheckpointError as e:
-        raise ExportError(str(e)) from None
-    step = int(state.step)  # the step a checkpoint holds is the step it was saved at
-    params = jax.device_get(state.params)
-    meta = trainer.dataset.meta
+    exp = experiment.build(config)
+    step, params = _restore_params(workdir, exp, step)
+    meta = exp.dataset.meta
     description = {
         "format_version": FORMAT_VERSION,
         "versions": library_versions(),
         "step": int(step),
         "config": json.loads(config.to_json_best_effort()),
-        "dataset": {"name": trainer.dataset.name, "directory": str(trainer.dataset.directory),
+        "dataset": {"name": exp.dataset.name, "directory": str(exp.dataset.directory),
                     "meta": dataclasses.asdict(meta)},
         "extractor": extractor_description(meta, weights),
         "metrics": _metrics_at(workdir, step),
         "parameters": {k: list(v) for k, v in
-                       parameter_shapes(trainer.model, meta, trainer.max_len).items()},
+                       parameter_shapes(exp.model, meta, exp.max_len).items()},
     }
+    _write_export(out, params, exp.dataset.vocab, description)
+    logging.info("exported step %d of %s to %s", step, workdir, out)
+    return out
+
+
+def _restore_params(workdir: Path, exp: experiment.Experiment,
+                    step: int | None) -> tuple[int, Any]:
+    """(step, host parameters) of checkpoint ``step``, or of the best intact one: best val
+    CIDEr first, then the unscored ones latest first (``checkpoints.best_first_steps``)."""
+    directory = workdir / checkpoints.CHECKPOINTS_DIR
+    found = checkpoints.steps(directory)
+    if not found:
+        raise ExportError(f"no checkpoint in {directory}")
+    if step is not None and step not in found:
+        raise ExportError(f"no checkpoint of step {step} in {directory}; there are {found}")
+    like = abstract_params(exp.model, exp.dataset.meta, exp.max_len)
+    try:
+        # The step a checkpoint holds is the step it was saved at.
+        step, params = checkpoints.restore_params(workdir, like,
+                                                  step="best" if step is None else step)
+    except checkpoints.CheckpointError as e:
+        raise ExportError(str(e)) from None
+    return step, jax.device_get(params)
+
+
+def _write_export(out: Path, params: Any, vocab: Vocabulary,
+                  description: dict[str, Any]) -> None:
+    """The export directory's files, written into a temporary sibling renamed to ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(out.parent, out.name)
     try:
         (tmp / PARAMS_FILE).write_bytes(flax.serialization.msgpack_serialize(
             jax.tree_util.tree_map(np.asarray, params)))
-        trainer.dataset.vocab.save(tmp / VOCAB_FILE)
+        vocab.save(tmp / VOCAB_FILE)
         write_json_atomic(tmp / MODEL_FILE, description, indent=1)
         if out.exists():
             out.rmdir()
@@ -262,8 +271,6 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logging.info("exported step %d of %s to %s", step, workdir, out)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +330,6 @@ def load_exported(directory: str | os.PathLike) -> ExportedModel:
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags  # noqa: F401  (flags defined below)
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     flags_ = flags.FLAGS
@@ -338,15 +343,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import flags
-    from ml_collections import config_flags
-
+    # The flags exist only when this module is the program (importing it defines none).
     config_flags.DEFINE_config_file("config", None, "Run config (workdirs without config.json).")
     flags.DEFINE_string("workdir", None, "Training or convert workdir.", required=True)
     flags.DEFINE_string("out", None, "Export directory to create.", required=True)
     flags.DEFINE_integer("step", None, "Checkpoint step (default: best by val CIDEr, else latest).")
     flags.DEFINE_string("weights", None, "ResNet-101 weights to record for predict.")
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     cli.run(main)

@@ -18,9 +18,10 @@ import os
 from collections import defaultdict
 
 import numpy as np
+from absl import app, flags
 from tqdm import tqdm
 
-from changecap_jax import explain
+from changecap_jax import cli, compile_cache, explain
 from changecap_jax.data import datasets
 from changecap_jax.export import load_exported
 from changecap_jax.predict import Predictor
@@ -80,8 +81,6 @@ def format_results(results: dict[str, explain.Localization]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
@@ -90,13 +89,10 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import flags
-
+    # The flags exist only when this module is the program (importing it defines none).
     flags.DEFINE_string("model", None, "Exported model directory.", required=True)
     flags.DEFINE_string("split", "test", "Split.")
     flags.DEFINE_integer("beam_size", 1, "Beam size (1 = greedy).")
     flags.DEFINE_string("data_dir", None, "Dataset root, if not the training one.")
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     cli.run(main)

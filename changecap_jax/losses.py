@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from changecap_jax.models.base import IGNORE_INDEX
+IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
 
 Array = jax.Array
 AxisName = str | tuple[str, ...] | None

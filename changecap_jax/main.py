@@ -30,7 +30,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import cli
+from changecap_jax import checkpoint_steps, cli
 from changecap_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -69,8 +69,7 @@ def _require_checkpoint(workdir: str) -> None:
     """--mode=eval of a workdir without checkpoints fails before the dataset is opened (or,
     for the synthetic one, built)."""
     directory = Path(workdir) / "checkpoints"
-    # orbax names each step's folder by its number.
-    if not directory.is_dir() or not any(p.name.isdigit() for p in directory.iterdir()):
+    if not checkpoint_steps.has_steps(directory):
         raise UserError(f"no checkpoint in {directory}: train into --workdir={workdir} first, "
                         "or convert one (python -m changecap_jax.convert)")
 

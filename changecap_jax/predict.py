@@ -7,7 +7,8 @@
 ``--model`` is a directory written by ``python -m changecap_jax.export``. Features are
 extracted exactly as for the model's training data: the synthetic grid extractor, or
 ResNet-101 (PyTorch, the optional extra) with the weights recorded at export or given with
-``--weights``, through the same preprocessing as ``data_prep``. Images may be of any size and
+``--weights``, through the same preprocessing as ``data_prep`` (both use
+``changecap_jax/features/``). Images may be of any size and
 any format PIL reads (the first frame of an animation).
 
 For each pair it prints the caption and writes, under ``--out`` (default ``predictions``):
@@ -34,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from absl import app, flags
 from PIL import Image, ImageDraw, UnidentifiedImageError
 from tqdm import tqdm
 
-from changecap_jax import decoding, explain
+from changecap_jax import cli, compile_cache, decoding, explain
 from changecap_jax.errors import UserError
 from changecap_jax.export import ExportedModel, load_exported
+from changecap_jax.features import grid
 from changecap_jax.jsonio import write_json_atomic
 from changecap_jax.models.base import conditioning_shapes, decoding_rules, extra_tokens
 
@@ -137,32 +140,28 @@ class FeatureExtractor:
         if not weights:
             raise PredictError("the model uses ResNet-101 features and its export records no "
                                "weights: pass --weights=PATH (a torchvision-format state dict)")
-        try:
-            from data_prep import resnet
+        try:  # PyTorch is the optional extra: imported only for a ResNet-101 model
+            from changecap_jax.features import extract, resnet
         except ImportError as e:
             raise PredictError("ResNet-101 features need PyTorch: pip install -r "
                                f"requirements-torch.txt ({e})") from e
         self.layer, self.std_fix = int(description["layer"]), bool(description["std_fix"])
-        from data_prep.extract_features import pick_device
-
-        self._network = resnet.load_resnet101(weights, self.layer, device=pick_device(device))
+        self._extract = extract.extract_features
+        self._network = resnet.load_resnet101(weights, self.layer,
+                                              device=extract.pick_device(device))
 
     def __call__(self, paths: Sequence[Path]) -> np.ndarray:
         """Image files -> float32 (N, H, W, C), as the dataset stored them."""
         if self.name == "synthetic_grid":
-            from changecap_jax.data import grid_features
-
             images = [read_image(p) for p in paths]
             # One image at a time: sizes may differ (each is resized to the grid's pixels).
-            feats = np.concatenate([grid_features.extract(im[None], self.feature_shape)
+            feats = np.concatenate([grid.extract(im[None], self.feature_shape)
                                     for im in images])
             return feats.astype(np.float32)
-        from data_prep.extract_features import extract_features
-
         for p in paths:
             read_image(p)  # a clear error before torch sees the file
-        out = [f for _, f in extract_features(list(paths), self._network, self.layer,
-                                              std_fix=self.std_fix)]
+        out = [f for _, f in self._extract(list(paths), self._network, self.layer,
+                                           std_fix=self.std_fix)]
         return np.stack(out).transpose(0, 2, 3, 1).astype(np.float32)
 
 
@@ -317,8 +316,6 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
@@ -339,8 +336,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import flags
-
+    # The flags exist only when this module is the program (importing it defines none).
     flags.DEFINE_string("model", None, "Exported model directory.", required=True)
     flags.DEFINE_string("before", None, "Before image.")
     flags.DEFINE_string("after", None, "After image.")
@@ -352,7 +348,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch_size", 16, "Pairs per decoding batch.")
     flags.DEFINE_string("weights", None, "ResNet-101 weights (overrides the export's).")
     flags.DEFINE_string("device", None, "torch device for ResNet-101 (default: cuda if any).")
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     cli.run(main)

@@ -27,10 +27,20 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import app, flags
 from PIL import Image
 from tqdm import tqdm
 
-from changecap_jax import checkpoints, evaluation, explain, export, train
+from changecap_jax import (
+    checkpoints,
+    cli,
+    compile_cache,
+    evaluation,
+    experiment,
+    explain,
+    export,
+    train,
+)
 from changecap_jax.data import datasets
 from changecap_jax.data.vocab import START_ID
 from changecap_jax.errors import UserError
@@ -96,11 +106,11 @@ def _orientation(after_key: str) -> str:
     return after_key.removeprefix("after_")  # after_semantic -> semantic, as record fields
 
 
-def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, str, str]],
-                   batch_size: int) -> list[dict[str, bytes]]:
+def heatmap_images(exp: experiment.Experiment, params: Any,
+                   pairs: list[tuple[dict, str, str]], batch_size: int) -> list[dict[str, bytes]]:
     """For (record, after key, caption) triples: before / after JPEG thumbnails with the
     heatmap of the caption drawn over them (empty dicts where the images are not kept)."""
-    dataset, model = trainer.dataset, trainer.model
+    dataset, model = exp.dataset, exp.model
     out: list[dict[str, bytes]] = [{} for _ in pairs]
     todo = [i for i, (record, _, _) in enumerate(pairs)
             if datasets.image_paths(dataset, record) is not None]
@@ -109,10 +119,10 @@ def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, 
         take = chunk + [chunk[-1]] * (batch_size - len(chunk))  # one shape: one compile
         before = np.stack([pairs[i][0]["before"] for i in take]).astype(np.float32)
         after = np.stack([pairs[i][0][pairs[i][1]] for i in take]).astype(np.float32)
-        ids = np.stack([caption_ids(pairs[i][2], dataset.vocab, trainer.max_len) for i in take])
+        ids = np.stack([caption_ids(pairs[i][2], dataset.vocab, exp.max_len) for i in take])
         # A model's extra per-pair inputs: the record's field of the pair's orientation.
         conditioning = {c: np.stack([pairs[i][0][f"{c}_{_orientation(pairs[i][1])}"]
-                                     for i in take]) for c in trainer.conditioning}
+                                     for i in take]) for c in exp.conditioning}
         maps = explain.attention_maps(model, {"params": params}, before, after, ids,
                                       conditioning)
         for j, i in enumerate(chunk):
@@ -129,6 +139,7 @@ def heatmap_images(trainer: train.Trainer, params: Any, pairs: list[tuple[dict, 
 
 def build_report(workdir: str | os.PathLike, split: str = "test", step: int | None = None,
                  out: str | os.PathLike | None = None, max_gallery: int = 500) -> Path:
+    """Writes the page of ``split``'s evaluation at ``step`` (see the module docstring)."""
     workdir = Path(workdir)
     if not workdir.is_dir():
         raise ReportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
@@ -147,35 +158,12 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
                                       e.get("change_type", "")) for e in entries]
     cider = evaluation.per_pair_cider(records)
 
-    trainer = train.Trainer(config, workdir)
-    manager = trainer.checkpoint_manager()
+    exp = experiment.build(config)
+    params = checkpoint_params(workdir, exp, step)
     images: list[dict[str, bytes]] = [{} for _ in entries]
-    params = None
-    if step in manager.all_steps():
-        try:
-            params = jax.device_get(
-                trainer.restore(manager, trainer.init_state(), step=step).params)
-        except checkpoints.CheckpointError as e:  # the captions are scored: report them
-            logging.warning("%s; the gallery has no heatmaps", e)
-    else:
-        logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
-                        manager.directory)
     if params is not None:
-        source = trainer.dataset.split(split)
-        by_id = {}
-        for i in range(len(source)):
-            record = source[i]
-            by_id[record["image_id"].decode()] = record
-        pairs = []
-        for e in entries:
-            base, distractor = (e["image_id"][:-2], True) if e["image_id"].endswith("_n") \
-                else (e["image_id"], False)
-            if base not in by_id:
-                raise ReportError(f"{captions_path}: image id {e['image_id']!r} is not in "
-                                  f"split {split!r} of the dataset")
-            pairs.append((by_id[base], "after_distractor" if distractor else "after_semantic",
-                          e["caption"]))
-        images = heatmap_images(trainer, params, pairs, config.eval_batch_size)
+        pairs = gallery_pairs(exp, split, entries, captions_path)
+        images = heatmap_images(exp, params, pairs, config.eval_batch_size)
 
     # The inputs a model read beside the images (e.g. retrieved entities), as evaluation
     # wrote them into the captions file.
@@ -186,20 +174,56 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
                             extra=x)
                for r, im, x in zip(records, images, extras, strict=True)]
     notes = [f"workdir {workdir.resolve()}", f"split {split}, step {step}",
-             f"model {config.model.name}, dataset {trainer.dataset.name}",
+             f"model {config.model.name}, dataset {exp.dataset.name}",
              "heatmaps: decoder cross-attention from the generated words to the grid, averaged "
              "over heads, layers and words (changecap_jax.explain)"]
     out = Path(out) if out else workdir / f"report_{split}_{step}.html"
-    write_report(out, title=f"{config.model.name} on {trainer.dataset.name} / {split} @ {step}",
+    write_report(out, title=f"{config.model.name} on {exp.dataset.name} / {split} @ {step}",
                  metrics=metrics, curves=read_curves(workdir / train.SCALARS_FILE),
                  gallery=gallery, notes=notes, max_gallery=max_gallery)
     os.chmod(out, 0o644)  # a page to share (the atomic write creates it 0600)
     return out
 
 
-def main(argv: list[str]) -> None:
-    from absl import app, flags
+def checkpoint_params(workdir: Path, exp: experiment.Experiment, step: int) -> Any | None:
+    """The host parameters of checkpoint ``step``, or None (with a warning) when it is not
+    kept or is damaged: the captions are scored, so the page is made without heatmaps."""
+    directory = (workdir / checkpoints.CHECKPOINTS_DIR).absolute()
+    if step not in checkpoints.steps(directory):
+        logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
+                        directory)
+        return None
+    like = export.abstract_params(exp.model, exp.dataset.meta, exp.max_len)
+    try:
+        _, params = checkpoints.restore_params(workdir, like, step=step)
+    except checkpoints.CheckpointError as e:
+        logging.warning("%s; the gallery has no heatmaps", e)
+        return None
+    return jax.device_get(params)
 
+
+def gallery_pairs(exp: experiment.Experiment, split: str, entries: list[dict[str, Any]],
+                  captions_path: Path) -> list[tuple[dict, str, str]]:
+    """(record, after key, caption) of each captions-file entry; an id ending in "_n" is the
+    distractor pair of its record."""
+    source = exp.dataset.split(split)
+    by_id = {}
+    for i in range(len(source)):
+        record = source[i]
+        by_id[record["image_id"].decode()] = record
+    pairs = []
+    for e in entries:
+        base, distractor = (e["image_id"][:-2], True) if e["image_id"].endswith("_n") \
+            else (e["image_id"], False)
+        if base not in by_id:
+            raise ReportError(f"{captions_path}: image id {e['image_id']!r} is not in "
+                              f"split {split!r} of the dataset")
+        pairs.append((by_id[base], "after_distractor" if distractor else "after_semantic",
+                      e["caption"]))
+    return pairs
+
+
+def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
@@ -208,14 +232,11 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import flags
-
+    # The flags exist only when this module is the program (importing it defines none).
     flags.DEFINE_string("workdir", None, "Workdir of the run.", required=True)
     flags.DEFINE_string("split", "test", "Evaluated split.")
     flags.DEFINE_integer("step", None, "Evaluation step (default: the latest).")
     flags.DEFINE_string("out", None, "Output HTML (default WORKDIR/report_SPLIT_STEP.html).")
     flags.DEFINE_integer("max_gallery", 500, "Pairs in the gallery (worst CIDEr first).")
-    from changecap_jax import cli, compile_cache
-
     compile_cache.enable()
     cli.run(main)

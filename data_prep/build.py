@@ -30,7 +30,11 @@ import sys
 
 from absl import app, flags
 
+from changecap_jax import cli
 from changecap_jax.data import datasets
+from changecap_jax.data.vocab import CaptionError
+from data_prep import builders
+from data_prep.builders.base import BuildError, make_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", None, "Where to build (default: the user cache folder).")
@@ -62,10 +66,6 @@ flags.DEFINE_float("wait", datasets.building.WAIT_S, "Seconds to wait for anothe
 
 
 def build_real(name: str) -> datasets.PreparedDataset:
-    from changecap_jax.data.vocab import CaptionError
-    from data_prep import builders
-    from data_prep.builders.base import BuildError, make_config
-
     if not FLAGS.raw_dir:
         raise app.UsageError(f"building {name} needs --raw_dir (its raw download)")
     cls = builders.builder_class(name)
@@ -122,6 +122,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     cli.run(main)

@@ -62,10 +62,15 @@ from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
+from absl import app, flags
 from tqdm import tqdm
 
+from changecap_jax import cli
+from changecap_jax.data import hard_negatives as hn
 from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
-from changecap_jax.data.vocab import Vocabulary, log_unknown_words
+from changecap_jax.data.hard_negatives import HardNegativeError, write_negatives
+from changecap_jax.data.negatives import negatives_path
+from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
 from changecap_jax.errors import UserError
 from changecap_jax.jsonio import staging_dir
 
@@ -528,9 +533,6 @@ def caption_negatives(source: Source, vocab: Vocabulary, *, seed: int = 0,
     single-image caption describes no difference) made by ``data_prep.hard_negatives`` (TF-IDF
     fitted on the train captions; records in its file format, ``img2`` = ``cub_semantic_<id>``).
     Captions the tokeniser rejects are left out of the references."""
-    from changecap_jax.data import hard_negatives as hn
-    from changecap_jax.data.vocab import CaptionError
-
     pairs: dict[str, list] = {}
     for split in sorted({e.split for e in source.examples}):
         rows = []
@@ -626,9 +628,6 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
                      **texts.get(split, {}))
             counts[split] = len(chosen)
             if split in negative_records:
-                from changecap_jax.data.hard_negatives import write_negatives
-                from changecap_jax.data.negatives import negatives_path
-
                 write_negatives(negative_records[split], negatives_path(tmp, split))
         meta = {"source": source.name, "task": source.task, "splits": counts,
                 "feature_shape": list(shape or ()), "feature_dtype": feature_dtype,
@@ -667,8 +666,6 @@ def load_split(directory: str | Path, split: str, *, mmap: bool = True) -> dict[
 
 
 def _define_flags() -> None:
-    from absl import flags
-
     flags.DEFINE_enum("source", None, list(TASKS), "Which cross-task source.", required=True)
     flags.DEFINE_string("raw_dir", None, "The dataset in its official layout (CUB: the "
                         "CUB_200_2011 folder).", required=True)
@@ -710,10 +707,6 @@ def _vocab_tokenizer(vocab_path: str) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    from absl import app, flags
-
-    from changecap_jax.data.hard_negatives import HardNegativeError
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
@@ -743,7 +736,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     _define_flags()
     cli.run(main)

@@ -10,17 +10,39 @@ split of a built dataset (``data_prep.build``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from absl import app, flags
+
+from changecap_jax import cli
+from changecap_jax.data import building, datasets
 from changecap_jax.data import entities as lib
 from changecap_jax.data.entities import *  # noqa: F403  (its API, importable from here as before)
+
+
+def extract_dataset_entities(
+    name: str,
+    data_dir: str | os.PathLike | None,
+    variant: str = "",
+    options: Mapping[str, Any] | None = None,
+    *,
+    backend: lib.Backend = "auto",
+    spacy_model: str | None = None,
+    output: str | os.PathLike | None = None,
+) -> tuple[Path, lib.EntityExtraction]:
+    """:func:`save_dataset_entities` of a dataset found by name. Never builds a dataset."""
+    dataset = datasets.prepare(name, data_dir, variant, options, build_if_missing=False)
+    return lib.save_dataset_entities(dataset, backend=backend, spacy_model=spacy_model,
+                                     output=output)
 
 
 def _define_flags() -> None:
     # Defined only when run as a program, so importing this module next to another
     # command's flags (data_prep.build) cannot clash.
-    from absl import flags
-
     flags.DEFINE_string("data_dir", None, "Where the dataset was built (default: the user "
                         "cache folder).")
     flags.DEFINE_string("dataset", None, "Dataset name, e.g. clevr_change or synthetic.",
@@ -42,12 +64,6 @@ def _define_flags() -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    import sys
-
-    from absl import app, flags
-
-    from changecap_jax.data import building, datasets
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     FLAGS = flags.FLAGS
@@ -73,7 +89,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     _define_flags()
     cli.run(main)

@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from absl import app, flags
+
+from changecap_jax import cli
+from changecap_jax.data import building, datasets
 from changecap_jax.data import hard_negatives as lib
 from changecap_jax.data.hard_negatives import *  # noqa: F403  (its API, importable as before)
 
@@ -31,10 +35,6 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    from absl import app, flags
-
-    from changecap_jax.data import building, datasets
-
     flags_ = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -61,8 +61,6 @@ def main(argv: list[str]) -> None:
 
 
 def _define_flags() -> None:
-    from absl import flags
-
     flags.DEFINE_string("data_dir", None, "Data dir the dataset was built in (default: the "
                         "user cache folder, as data_prep.build).")
     flags.DEFINE_string("dataset", None, "Dataset name, e.g. clevr_change or synthetic.")
@@ -83,7 +81,5 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     _define_flags()
     cli.run(main)

@@ -16,13 +16,15 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from absl import flags
+
+from changecap_jax import compile_cache
+from changecap_jax.data import building, datasets
 from changecap_jax.data import entity_retrieval as lib
 from changecap_jax.data.entity_retrieval import *  # noqa: F403  (its API, importable as before)
 
 
 def _define_flags(fv: Any) -> None:
-    from absl import flags
-
     def define(kind: Callable[..., Any], name: str, default: Any, help_: str,
                *args: Any) -> None:
         kind(name, default, *args, help_, flag_values=fv)
@@ -60,10 +62,6 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
     prints it for the other commands); 130 when interrupted (a CLIP run then continues from
     its cache when started again)."""
     import sys
-
-    from absl import flags
-
-    from changecap_jax.data import building, datasets
 
     fv = flags.FlagValues()  # own flags: main() can run twice in one process (tests)
     _define_flags(fv)
@@ -116,8 +114,6 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
 
 if __name__ == "__main__":
     import sys
-
-    from changecap_jax import compile_cache
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     compile_cache.enable()  # the synthetic backbone's training step is jitted

@@ -58,8 +58,12 @@ def _truncate_arrays(workdir: Path, step: int) -> None:
 
 
 def _damage_messages(caplog) -> list[str]:
+    # Not asyncio's "Task exception was never retrieved": orbax abandons the other reads of a
+    # damaged step, and their errors are logged whenever the garbage collector meets them,
+    # possibly during a later test (whose message then names an earlier test's "damaged" path).
     return [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and "damaged" in r.getMessage()]
+            if r.levelno >= logging.WARNING and r.name != "asyncio"
+            and "damaged" in r.getMessage()]
 
 
 def _steps(workdir: Path) -> list[int]:

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, shared_file
 
-from changecap_jax.data import datasets, grid_features, schema
+from changecap_jax.data import datasets, schema
 from changecap_jax.data.synthetic import builder, render, scenes
 from changecap_jax.data.vocab import CaptionError, tokenize
+from changecap_jax.features import grid as grid_features
 
 
 def _examples(change_type, n=25, distractors="moderate"):

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from changecap_jax.data import auto_prep, building, entity_inputs, schema
+from changecap_jax.data.image_files import image_paths  # noqa: F401  (datasets.image_paths)
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
@@ -375,17 +376,3 @@ def check_feature_shape(
             f"{key}: the model expects features of shape {tuple(expected)} but dataset "
             f"{dataset.name!r} in {dataset.directory} stores {tuple(dataset.meta.feature_shape)}"
         )
-
-
-def image_paths(dataset: PreparedDataset, record: dict[str, Any]) -> dict[str, Path] | None:
-    """The image files of a record (before / after_semantic / after_distractor), where the
-    dataset keeps them: the synthetic dataset saves its renders under ``meta.raw_dir``; the
-    real datasets' records do not name their files, so None."""
-    if dataset.name != "synthetic" or not dataset.meta.raw_dir:
-        return None
-    from changecap_jax.data.synthetic import builder as synthetic_builder
-
-    raw_dir = dataset.directory / dataset.meta.raw_dir
-    paths = {key: synthetic_builder.image_path(raw_dir, key, int(record["id"]))
-             for key in synthetic_builder.IMAGE_DIRS}
-    return paths if all(p.is_file() for p in paths.values()) else None

@@ -370,9 +370,28 @@ def _next_verb(tokens: Sequence[str], i: int) -> int | None:
     return None
 
 
+def _after_leading_place(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
+    """:func:`_rule_parse` of a caption opening with a place phrase ("in the after image"):
+    the subject after it, or LEADING_PP."""
+    n = len(tokens)
+    for j in range(1, n - 1):
+        if tokens[j] == "there" and tokens[j + 1] in _AUX:
+            return _rule_parse(tokens[j:], allow_fragment)
+    place, end = _noun_phrase(tokens, 1)
+    if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
+        # the place phrase ended where the subject starts: "in the lot a car ..."
+        return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
+    if "," in tokens:
+        return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
+    return None, LEADING_PP
+
+
 def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | None, str | None]:
+    n = len(tokens)
+    if not n:
+        return None, NO_SUBJECT
     start = 0
-    while start < len(tokens) and tokens[start] in _LEADING_WORDS:
+    while start < n and tokens[start] in _LEADING_WORDS:
         start += 1
     tokens = tokens[start:]
     n = len(tokens)
@@ -388,48 +407,20 @@ def _rule_parse(tokens: list[str], allow_fragment: bool = False) -> tuple[str | 
         return _entity(words)
     # Editing imperatives: "remove the man on the left" -> "man" (not "shade is gone")
     if tokens[0] in _EDIT_VERBS and not (n > 1 and (tokens[1] in _AUX or tokens[1] in _VERBS)):
-        return _parse_imperative(tokens, allow_fragment)
+        i = 1
+        while i < n and tokens[i] in _PARTICLES:
+            i += 1
+        if tokens[i:i + 1] == ["and"] and tokens[i + 1:i + 2] and tokens[i + 1] in _EDIT_VERBS:
+            return _rule_parse(tokens[i + 1:], allow_fragment)  # "crop and zoom into X"
+        words, _ = _noun_phrase(tokens, i)
+        if tokens[0] in _RESULT_VERBS:  # "make the red car blue" -> "red car"
+            cut = next((k for k in range(1, len(words)) if words[k] in _STATE_WORDS), None)
+            words = words[:cut]
+        return _entity(words) if words else (None, NO_OBJECT)
     # "in the after image(,) the cube is gone" / "in the second picture there is a car"
     if tokens[0] in _PREPOSITIONS and tokens[:2] not in (["at", "least"], ["at", "most"]) and not (
             tokens[0] in _ADJECTIVE_PREPOSITIONS and n > 1 and tokens[1] in _IMAGE_WORDS):
-        return _parse_after_place(tokens, allow_fragment)
-    return _parse_subject(tokens, allow_fragment)
-
-
-def _parse_imperative(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
-    """The object of an editing verb: "remove the man on the left" -> "man"."""
-    n = len(tokens)
-    i = 1
-    while i < n and tokens[i] in _PARTICLES:
-        i += 1
-    if tokens[i:i + 1] == ["and"] and tokens[i + 1:i + 2] and tokens[i + 1] in _EDIT_VERBS:
-        return _rule_parse(tokens[i + 1:], allow_fragment)  # "crop and zoom into X"
-    words, _ = _noun_phrase(tokens, i)
-    if tokens[0] in _RESULT_VERBS:  # "make the red car blue" -> "red car"
-        cut = next((k for k in range(1, len(words)) if words[k] in _STATE_WORDS), None)
-        words = words[:cut]
-    return _entity(words) if words else (None, NO_OBJECT)
-
-
-def _parse_after_place(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
-    """A sentence that opens with a place phrase: the subject after it, or LEADING_PP."""
-    n = len(tokens)
-    for j in range(1, n - 1):
-        if tokens[j] == "there" and tokens[j + 1] in _AUX:
-            return _rule_parse(tokens[j:], allow_fragment)
-    place, end = _noun_phrase(tokens, 1)
-    if place and end < n and (place[-1] in _IMAGE_WORDS or tokens[end] in _DETERMINERS):
-        # the place phrase ended where the subject starts: "in the lot a car ..."
-        return _rule_parse(tokens[end + (tokens[end] == ","):], allow_fragment)
-    if "," in tokens:
-        return _rule_parse(tokens[tokens.index(",") + 1:], allow_fragment)
-    return None, LEADING_PP
-
-
-def _parse_subject(tokens: list[str], allow_fragment: bool) -> tuple[str | None, str | None]:
-    """The sentence's subject noun phrase, or what "the difference is ..." and "the image
-    has ..." introduce."""
-    n = len(tokens)
+        return _after_leading_place(tokens, allow_fragment)
     words, end = _noun_phrase(tokens, 0)
     reason = _check_phrase(words, end, n, allow_fragment)
     if reason:
@@ -665,6 +656,30 @@ def _require(data: Mapping, path: Path, key: str, kind: type, where: str = "") -
     return value
 
 
+def _read_entity_list(data: dict[str, Any], path: Path) -> list[Entity]:
+    """The "entities" list of an entities.json, checked: ids are positions, texts non-empty,
+    counts >= 1, sorted by descending count then text."""
+    entities: list[Entity] = []
+    for i, item in enumerate(_require(data, path, "entities", list)):
+        key = f"entities[{i}]"
+        if not isinstance(item, dict):
+            raise _fail(path, key, f"must be an object, got {type(item).__name__}")
+        eid = _require(item, path, "id", int, f"{key}.")
+        text = _require(item, path, "text", str, f"{key}.")
+        count = _require(item, path, "count", int, f"{key}.")
+        if eid != i:
+            raise _fail(path, f"{key}.id", f"is {eid}, expected {i} (ids are positions)")
+        if not text.strip():
+            raise _fail(path, f"{key}.text", "is empty")
+        if count < 1:
+            raise _fail(path, f"{key}.count", f"is {count}, expected >= 1")
+        if entities and (-count, text) <= (-entities[-1].count, entities[-1].text):
+            raise _fail(path, f"{key}", "is out of order or repeated (entities are sorted by "
+                        "descending count, then text, each text once)")
+        entities.append(Entity(eid, text, count))
+    return entities
+
+
 def load_entities(path: str | os.PathLike) -> EntityExtraction:
     """Reads an ``entities.json``; a malformed file raises ValueError naming it and the key."""
     path = Path(path)
@@ -689,7 +704,15 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
         if entity is not None and entity not in known:
             raise _fail(path, f"captions[{json.dumps(caption)}]",
                         f"names entity {entity!r}, which is not in 'entities'")
-    unparsed = _read_unparsed(data, path, captions)
+    unparsed = {}
+    for i, item in enumerate(_require(data, path, "unparsed", list)):
+        if not isinstance(item, dict):
+            raise _fail(path, f"unparsed[{i}]", "must be an object")
+        caption = _require(item, path, "caption", str, f"unparsed[{i}].")
+        unparsed[caption] = _require(item, path, "reason", str, f"unparsed[{i}].")
+        if captions.get(caption, "") is not None:
+            raise _fail(path, f"unparsed[{i}].caption",
+                        f"{caption!r} is not in 'captions' with a null entity")
     source = data.get("source", {})
     if not isinstance(source, dict):
         raise _fail(path, "source", "must be an object")
@@ -703,45 +726,6 @@ def load_entities(path: str | os.PathLike) -> EntityExtraction:
             raise _fail(path, key, f"is {counts[key]} but the entities and counts give "
                                    f"{getattr(extraction, key)}")
     return extraction
-
-
-def _read_entity_list(data: dict, path: Path) -> list[Entity]:
-    """The checked ``entities`` list: ids are positions, sorted by descending count, then
-    text, each text once."""
-    entities: list[Entity] = []
-    for i, item in enumerate(_require(data, path, "entities", list)):
-        key = f"entities[{i}]"
-        if not isinstance(item, dict):
-            raise _fail(path, key, f"must be an object, got {type(item).__name__}")
-        eid = _require(item, path, "id", int, f"{key}.")
-        text = _require(item, path, "text", str, f"{key}.")
-        count = _require(item, path, "count", int, f"{key}.")
-        if eid != i:
-            raise _fail(path, f"{key}.id", f"is {eid}, expected {i} (ids are positions)")
-        if not text.strip():
-            raise _fail(path, f"{key}.text", "is empty")
-        if count < 1:
-            raise _fail(path, f"{key}.count", f"is {count}, expected >= 1")
-        if entities and (-count, text) <= (-entities[-1].count, entities[-1].text):
-            raise _fail(path, f"{key}", "is out of order or repeated (entities are sorted by "
-                        "descending count, then text, each text once)")
-        entities.append(Entity(eid, text, count))
-    return entities
-
-
-def _read_unparsed(data: dict, path: Path, captions: dict) -> dict[str, str]:
-    """The checked ``unparsed`` list as caption -> reason; each caption must be in
-    ``captions`` with a null entity."""
-    unparsed = {}
-    for i, item in enumerate(_require(data, path, "unparsed", list)):
-        if not isinstance(item, dict):
-            raise _fail(path, f"unparsed[{i}]", "must be an object")
-        caption = _require(item, path, "caption", str, f"unparsed[{i}].")
-        unparsed[caption] = _require(item, path, "reason", str, f"unparsed[{i}].")
-        if captions.get(caption, "") is not None:
-            raise _fail(path, f"unparsed[{i}].caption",
-                        f"{caption!r} is not in 'captions' with a null entity")
-    return unparsed
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -775,21 +759,3 @@ def save_dataset_entities(
     path = Path(output) if output else dataset.directory / ENTITIES_FILE
     save_entities(path, extraction)
     return path, extraction
-
-
-def extract_dataset_entities(
-    name: str,
-    data_dir: str | os.PathLike | None,
-    variant: str = "",
-    options: Mapping[str, Any] | None = None,
-    *,
-    backend: Backend = "auto",
-    spacy_model: str | None = None,
-    output: str | os.PathLike | None = None,
-) -> tuple[Path, EntityExtraction]:
-    """:func:`save_dataset_entities` of a dataset found by name. Never builds a dataset."""
-    from changecap_jax.data import datasets
-
-    dataset = datasets.prepare(name, data_dir, variant, options, build_if_missing=False)
-    return save_dataset_entities(dataset, backend=backend, spacy_model=spacy_model,
-                                 output=output)

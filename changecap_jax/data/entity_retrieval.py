@@ -82,7 +82,7 @@ import numpy as np
 from tqdm import tqdm
 
 from changecap_jax.data import entities as entity_lib
-from changecap_jax.data import entity_inputs
+from changecap_jax.data import entity_inputs, image_files
 from changecap_jax.jsonio import atomic_write, staging_dir
 
 FORMAT = entity_inputs.FORMAT
@@ -391,11 +391,9 @@ class ClipBackbone:
     def __init__(self, dataset: Any, clip_path: str | Path, *, batch_size: int = 32,
                  cache_dir: Path | None = None, stop_after_batches: int | None = None,
                  cache_every: int = 4):
-        from changecap_jax.data import datasets
-
         # Checked first: this error does not depend on torch being installed.
         source = dataset.split("train")
-        if len(source) == 0 or datasets.image_paths(dataset, source[0]) is None:
+        if len(source) == 0 or image_files.image_paths(dataset, source[0]) is None:
             raise ValueError(
                 f"dataset {dataset.name!r} ({dataset.directory}) has no saved image files, and "
                 "the CLIP backbone embeds the raw images (only the synthetic dataset keeps them "
@@ -450,8 +448,6 @@ class ClipBackbone:
         import torch
         from PIL import Image
 
-        from changecap_jax.data import datasets
-
         source = self.dataset.split(split)
         n = len(source)
         record_ids = np.array([int(source[i]["id"]) for i in range(n)], np.int64)
@@ -476,7 +472,7 @@ class ClipBackbone:
                             f"stopped after {self._batches} batches (stop_after_batches)")
                     images = []
                     for i in chunk:
-                        path = datasets.image_paths(self.dataset, source[done + i])[key]
+                        path = image_files.image_paths(self.dataset, source[done + i])[key]
                         with Image.open(path) as im:
                             images.append(im.convert("RGB"))
                     inputs = self.processor(images=images, return_tensors="pt").to(self.device)
@@ -576,35 +572,17 @@ def _split_accuracy(source: Any, ids: np.ndarray, texts: Sequence[str],
     return retrieval_accuracy(ids, texts, refs, entity_of)
 
 
-def _entities_file(dataset: Any) -> Path:
-    """The dataset's entities.json, which must exist (made by data_prep.entities)."""
+def _checked_request(dataset: Any, out: Path, k: int, difference: str,
+                     splits: Sequence[str] | None, overwrite: bool) -> tuple[Any, list[str]]:
+    """(the dataset's entity extraction, the splits to retrieve for), once the request is
+    checked: entities extracted, ``out`` free (or ``overwrite``), a known difference, k within
+    the entities, known splits."""
     entities_path = dataset.directory / entity_lib.ENTITIES_FILE
     if not entities_path.exists():
         raise FileNotFoundError(
             f"{entities_path} does not exist: extract the change entities first with "
             f"python -m data_prep.entities --dataset={dataset.name} --data_dir=<the data "
             "directory the dataset was built in> (and the same --variant and build flags)")
-    return entities_path
-
-
-def _checked_splits(dataset: Any, splits: Sequence[str] | None) -> list[str]:
-    """``splits`` (all the dataset's when None), each one the dataset has."""
-    all_splits = list(dataset.builder.info.splits)
-    splits = list(splits or all_splits)
-    if unknown := sorted(set(splits) - set(all_splits)):
-        raise ValueError(f"unknown splits {unknown}; the dataset has {all_splits}")
-    return splits
-
-
-def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None = None,
-                  k: int = DEFAULT_K, difference: str = "signed",
-                  splits: Sequence[str] | None = None, overwrite: bool = False,
-                  contrastive: ContrastiveSettings | None = None,
-                  clip_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Writes ``<dataset directory>/entity_retrieval`` (see the module docstring) and returns
-    its meta.json content. ``dataset`` is a ``datasets.PreparedDataset``."""
-    entities_path = _entities_file(dataset)
-    out = dataset.directory / RETRIEVAL_DIR
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     if difference not in DIFFERENCES:
@@ -614,7 +592,23 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
     if not 1 <= k <= len(texts):
         raise ValueError(f"k must be in [1, {len(texts)}] (the entities of {entities_path}), "
                          f"got {k}")
-    splits = _checked_splits(dataset, splits)
+    all_splits = list(dataset.builder.info.splits)
+    splits = list(splits or all_splits)
+    if unknown := sorted(set(splits) - set(all_splits)):
+        raise ValueError(f"unknown splits {unknown}; the dataset has {all_splits}")
+    return extraction, splits
+
+
+def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None = None,
+                  k: int = DEFAULT_K, difference: str = "signed",
+                  splits: Sequence[str] | None = None, overwrite: bool = False,
+                  contrastive: ContrastiveSettings | None = None,
+                  clip_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Writes ``<dataset directory>/entity_retrieval`` (see the module docstring) and returns
+    its meta.json content. ``dataset`` is a ``datasets.PreparedDataset``."""
+    out = dataset.directory / RETRIEVAL_DIR
+    extraction, splits = _checked_request(dataset, out, k, difference, splits, overwrite)
+    texts = extraction.texts
     if backbone == "auto":
         backbone = "clip" if clip_path else "contrastive"
     model = _make_backbone(dataset, backbone, clip_path, difference, extraction, contrastive,

@@ -23,12 +23,18 @@ than the synthetic grids, like real post-ReLU features. ``synthetic`` reads the 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from absl import flags
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from changecap_jax import cli
+from changecap_jax.data import datasets, pipeline, schema
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "/tmp/changecap_loader_bench", "Where the datasets are built.")
@@ -53,8 +59,6 @@ flags.DEFINE_enum("content", "relu_noise", ["relu_noise", "synthetic"],
 def build_datasets(data_dir: str, shape: tuple[int, int, int], num_train: int,
                    dtypes: list[str]) -> dict[str, Any]:
     """dtype -> the prepared synthetic dataset (built on first use; val/test are tiny)."""
-    from changecap_jax.data import datasets
-
     return {dtype: datasets.prepare("synthetic", data_dir, "moderate", {
         "num_train": num_train, "num_val": 2, "num_test": 2, "feature_shape": shape,
         "feature_dtype": dtype}) for dtype in dtypes}
@@ -63,13 +67,6 @@ def build_datasets(data_dir: str, shape: tuple[int, int, int], num_train: int,
 def relu_noise_copy(dataset: Any, root: Path, seed: int = 0) -> Any:
     """A copy of a built synthetic dataset under ``root`` whose feature grids are
     max(0, N(0, 1)) in the stored dtype; files.json is rewritten. Reused when present."""
-    import shutil
-
-    import numpy as np
-    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
-
-    from changecap_jax.data import datasets, schema
-
     config_dir = dataset.directory.parent  # <root>/synthetic_change/<config>/<version>
     target = root / config_dir.parent.name / config_dir.name / dataset.directory.name
     if not (target / schema.FILES_FILE).exists():
@@ -112,8 +109,6 @@ def dataset_options(dataset: Any) -> dict[str, Any]:
 def examples_per_second(source: Any, read: Any, batch_size: int, batches: int,
                         warmup: int) -> float:
     """One measurement: a fresh loader, ``warmup`` batches, then ``batches`` timed ones."""
-    from changecap_jax.data import pipeline
-
     iterator = iter(pipeline.train_loader(source, global_batch_size=batch_size, seed=0,
                                           read=read))
     try:
@@ -131,8 +126,6 @@ def measure(built: dict[str, Any], workers: list[int], threads: list[int],
             config: dict[str, Any]) -> dict[tuple[str, int, int], list[float]]:
     """(dtype, workers, threads) -> examples/s of each round; the configurations alternate
     (reversed every other round)."""
-    from changecap_jax.data import pipeline
-
     results: dict[tuple[str, int, int], list[float]] = {}
     sources = {dtype: dataset.split("train") for dtype, dataset in built.items()}
     order = [(d, w, t) for d in sources for w in workers for t in threads]
@@ -153,8 +146,6 @@ def measure(built: dict[str, Any], workers: list[int], threads: list[int],
 def report(built: dict[str, Any], results: dict[tuple[str, int, int], list[float]]
            ) -> list[dict[str, Any]]:
     """Prints the table of medians; returns its rows."""
-    from changecap_jax.data import schema
-
     sizes = {}
     for dtype, dataset in built.items():
         b = schema.split_bytes(dataset.directory, "train")
@@ -192,6 +183,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from changecap_jax import cli
-
     cli.run(main)

@@ -36,9 +36,11 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 
+# The caption loss owns the ignored target id; models build targets with it from here.
+from changecap_jax.losses import IGNORE_INDEX  # noqa: F401
+
 ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
 MEMORY_LAYOUTS = ("shared_grid", "before_after")
-IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
 CAPTION_REDUCTIONS = ("mean", "sum")
 
 

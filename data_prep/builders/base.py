@@ -316,8 +316,8 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             return from_files
 
         # Extraction: torch is imported only here, so reading datasets never needs it.
-        from data_prep.extract_features import extract_features, pick_device
-        from data_prep.resnet import load_resnet101
+        from changecap_jax.features.extract import extract_features, pick_device
+        from changecap_jax.features.resnet import load_resnet101
 
         model = load_resnet101(self.weights, cfg.layer, device=pick_device(self.device))
 

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from changecap_jax.data import grid_features, schema
+from changecap_jax.data import schema
 from changecap_jax.data.synthetic import render, scenes
 from changecap_jax.data.vocab import (
     CaptionError,
@@ -41,6 +41,7 @@ from changecap_jax.data.vocab import (
     log_unknown_words,
     max_caption_length,
 )
+from changecap_jax.features import grid as grid_features
 
 DEFAULT_SIZES = {"train": 3000, "val": 300, "test": 600}
 DEFAULT_FEATURE_SHAPE = (8, 8, 64)
