@@ -315,27 +315,7 @@ def _chart(name: str, points: Sequence[tuple[int, float]]) -> str:
     def py(v: float) -> float:
         return _MT + (y_hi - v) / (y_hi - y_lo) * ph
 
-    parts = [head]
-    # Grid, tick marks and labels.
-    for t in _ticks(y_lo, y_hi, y_step):
-        y = py(t)
-        parts.append(
-            f'<line class="grid" x1="{_ML}" y1="{y:.2f}" x2="{_W - _MR}" y2="{y:.2f}"/>'
-            f'<text class="ytick" x="{_ML - 6}" y="{y + 4:.2f}" text-anchor="end">'
-            f"{_fmt_value_tick(t, y_step)}</text>"
-        )
-    for t in _ticks(x_lo, x_hi, x_step):
-        x = px(t)
-        parts.append(
-            f'<line class="tick" x1="{x:.2f}" y1="{_H - _MB}" x2="{x:.2f}" y2="{_H - _MB + 5}"/>'
-            f'<text class="xtick" x="{x:.2f}" y="{_H - _MB + 18}" text-anchor="middle">'
-            f"{_fmt_step(t)}</text>"
-        )
-    parts.append(
-        f'<line class="axis" x1="{_ML}" y1="{_MT}" x2="{_ML}" y2="{_H - _MB}"/>'
-        f'<line class="axis" x1="{_ML}" y1="{_H - _MB}" x2="{_W - _MR}" y2="{_H - _MB}"/>'
-        f'<text class="xlabel" x="{_ML + pw / 2:.0f}" y="{_H - 4}" text-anchor="middle">step</text>'
-    )
+    parts = [head, *_grid_and_axes(px, py, (x_lo, x_hi, x_step), (y_lo, y_hi, y_step))]
     coords = [(px(s), py(v)) for s, v in finite]
     parts.append(
         '<polyline class="line" points="'
@@ -352,16 +332,51 @@ def _chart(name: str, points: Sequence[tuple[int, float]]) -> str:
         )
     parts.append("</svg>")
 
+    summary = _chart_summary(steps, values, skipped)
+    return "".join(parts) + f'<p class="csummary">{_esc(summary)}</p>'
+
+
+def _grid_and_axes(px: Any, py: Any, x_axis: tuple[float, float, float],
+                   y_axis: tuple[float, float, float]) -> list[str]:
+    """Horizontal grid lines with value labels, step ticks with labels, the two axes and the
+    x label; ``px``/``py`` map a step/value to pixels, each axis is (lo, hi, tick step)."""
+    (x_lo, x_hi, x_step), (y_lo, y_hi, y_step) = x_axis, y_axis
+    parts = []
+    for t in _ticks(y_lo, y_hi, y_step):
+        y = py(t)
+        parts.append(
+            f'<line class="grid" x1="{_ML}" y1="{y:.2f}" x2="{_W - _MR}" y2="{y:.2f}"/>'
+            f'<text class="ytick" x="{_ML - 6}" y="{y + 4:.2f}" text-anchor="end">'
+            f"{_fmt_value_tick(t, y_step)}</text>"
+        )
+    for t in _ticks(x_lo, x_hi, x_step):
+        x = px(t)
+        parts.append(
+            f'<line class="tick" x1="{x:.2f}" y1="{_H - _MB}" x2="{x:.2f}" y2="{_H - _MB + 5}"/>'
+            f'<text class="xtick" x="{x:.2f}" y="{_H - _MB + 18}" text-anchor="middle">'
+            f"{_fmt_step(t)}</text>"
+        )
+    pw = _W - _ML - _MR
+    parts.append(
+        f'<line class="axis" x1="{_ML}" y1="{_MT}" x2="{_ML}" y2="{_H - _MB}"/>'
+        f'<line class="axis" x1="{_ML}" y1="{_H - _MB}" x2="{_W - _MR}" y2="{_H - _MB}"/>'
+        f'<text class="xlabel" x="{_ML + pw / 2:.0f}" y="{_H - 4}" text-anchor="middle">step</text>'
+    )
+    return parts
+
+
+def _chart_summary(steps: list[float], values: list[float], skipped: int) -> str:
+    """The text under a chart: point count, last, min and max with their steps."""
     best_lo = min(range(len(values)), key=lambda i: values[i])
     best_hi = max(range(len(values)), key=lambda i: values[i])
     summary = (
-        f"{len(finite)} point{'s' if len(finite) != 1 else ''}; last {_fmt_value(values[-1])} "
+        f"{len(steps)} point{'s' if len(steps) != 1 else ''}; last {_fmt_value(values[-1])} "
         f"@ {steps[-1]:g}; min {_fmt_value(values[best_lo])} @ {steps[best_lo]:g}; "
         f"max {_fmt_value(values[best_hi])} @ {steps[best_hi]:g}"
     )
     if skipped:
         summary += f"; {skipped} non-finite value{'s' if skipped != 1 else ''} skipped"
-    return "".join(parts) + f'<p class="csummary">{_esc(summary)}</p>'
+    return summary
 
 
 def _render_curves(curves: Mapping[str, Sequence[tuple[int, float]]]) -> str:
