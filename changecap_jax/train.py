@@ -32,13 +32,15 @@ from changecap_jax import (
     checkpoints,
     decoding,
     evaluation,
+    evaluators,
     export,
     loop,
     models,
     parallel,
     precision,
 )
-from changecap_jax.data import datasets, entity_inputs, pipeline
+from changecap_jax.data import datasets, pipeline
+from changecap_jax.evaluators import DISTRACTOR_LABELS  # noqa: F401  (re-exported)
 from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old home)
     BEST_DIR,
     SCALARS_FILE,
@@ -51,6 +53,7 @@ from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models.base import conditioning_shapes, extra_tokens
 from changecap_jax.update import (  # noqa: F401  (re-exported)
+    INPUTS_FOLD,
     TrainState,
     make_update_step,
     zero_gradient_rows,
@@ -60,11 +63,9 @@ STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id s
     "semantic": ("after_semantic", "change_captions", ""),
     "distractor": ("after_distractor", "no_change_captions", "_n"),
 }
-DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
 
 
 INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
-INPUTS_FOLD = 0x1A9B7  # the "inputs" rng of a step is fold_in(step key, INPUTS_FOLD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +273,6 @@ class Trainer:
             dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
-        # The distractor classifier's jitted log-probs (B, 2) for evaluation, if it has one.
-        self.judge = (jax.jit(lambda params, before, after: jax.nn.log_softmax(
-            self.model.apply(*precision.cast_floating(({"params": params}, before, after),
-                                                      self.compute_dtype),
-                             method=self.model.classify_distractor).astype(jnp.float32)))
-            if hasattr(self.model, "classify_distractor") else None)
 
     def _build(self) -> tuple[datasets.PreparedDataset, Any, int]:
         """The dataset, the model and the decoded length of the config (the one place a
@@ -402,87 +397,93 @@ class Trainer:
         return decoding.greedy_decode(self.model, variables, before, after,
                                       max_len=self.max_len, conditioning=conditioning).ids
 
+    @functools.cached_property
+    def evaluators(self) -> list[evaluators.Evaluator]:
+        """What an evaluation computes beside the captions (``evaluators.choose``; built once,
+        so the distractor judge compiles once)."""
+        return evaluators.choose(self.config, self.dataset, self.model, self.compute_dtype,
+                                 self.eval_streams())
+
+    def eval_streams(self) -> tuple[str, ...]:
+        return tuple(s for s in STREAM_INPUTS if s in self.model_streams())
+
     def evaluate(self, state: TrainState, split: str, step: int,
                  writer: MetricWriter | None = None) -> dict[str, Any]:
         """Decodes a split, scores it (process 0) and writes captions/ and metrics/ files."""
-        config = self.config
         source = self.dataset.split(split)
-        meta = self.dataset.meta
         # Cast once for the whole split; decode_fn's own cast is then a no-op per batch.
         params = precision.cast_floating(state.params, self.compute_dtype)
-        process_count, process_index = jax.process_count(), jax.process_index()
-        G = config.eval_batch_size
-        local = G // process_count
-        records: list[evaluation.PairCaption] = []
-        extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
         key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), step)
-        streams = [s for s in STREAM_INPUTS if s in self.model_streams()]
-        batches = self.eval_batches(source)
-        total = pipeline.num_eval_batches(len(source), G)
-        # The §5.6 val pass's distractor accuracy, where the model and the split allow it.
-        judge = self.judge if "distractor" in streams else None
-        judged = {"correct": 0, "loss": 0.0, "num_pairs": 0}
-        for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
-                                       disable=not self.is_main, dynamic_ncols=True)):
+        streams = self.eval_streams()
+        for evaluator in self.evaluators:
+            evaluator.start(split)
+        records: list[evaluation.PairCaption] = []
+        total = pipeline.num_eval_batches(len(source), self.config.eval_batch_size)
+        for k, batch in enumerate(tqdm(self.eval_batches(source), total=total,
+                                       desc=f"eval {split}", disable=not self.is_main,
+                                       dynamic_ncols=True)):
             arrays = pipeline.to_global(
                 batch, self.data_sharding,
                 fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams),
                         *(f"{c}_{s}" for c in self.conditioning for s in streams)))
-            decoded = {}
-            for s in streams:
-                after_key = STREAM_INPUTS[s][0]
-                ids = self.decode_fn(params, arrays["before"], arrays[after_key],
-                                     jax.random.fold_in(key, k),
-                                     {c: arrays[f"{c}_{s}"] for c in self.conditioning})
-                decoded[s] = _to_host(ids)
-            judge_log_probs = {s: _to_host(judge(state.params, arrays["before"],
-                                                 arrays[STREAM_INPUTS[s][0]]))
-                               for s in (streams if judge is not None else ())}
-            mask = _to_host(arrays["mask"])
-            if not self.is_main:
-                continue
-            real_rows = np.flatnonzero(mask)
-            for s, log_probs in judge_log_probs.items():
-                real, label = log_probs[real_rows], DISTRACTOR_LABELS[s]
-                judged["correct"] += int(np.sum(np.argmax(real, -1) == label))
-                judged["loss"] -= float(np.sum(real[:, label], dtype=np.float64))
-                judged["num_pairs"] += len(real)
-            for j in real_rows:
-                index = k * G + j
-                record = (_host_record(batch, j) if j // local == process_index
-                          else source[index])
-                for s in streams:
-                    _, ref_key, suffix = STREAM_INPUTS[s]
-                    ct = int(record["change_type"])
-                    change_type = ("no_change" if s == "distractor"
-                                   else (meta.change_types[ct] if ct >= 0 else ""))
-                    records.append(evaluation.PairCaption(
-                        image_id=_text(record["image_id"]) + suffix,
-                        caption=self.dataset.vocab.decode(decoded[s][j], self.extra_tokens),
-                        references=[_text(c) for c in record[ref_key]],
-                        change_type=change_type))
-                    if self.dataset.entities is not None:
-                        extra[records[-1].image_id] = {"entities": entity_inputs.entity_texts(
-                            self.dataset.entities, record[f"entity_ids_{s}"])}
+            decoded = {s: evaluators.to_host(self.decode_fn(
+                params, arrays["before"], arrays[STREAM_INPUTS[s][0]], jax.random.fold_in(key, k),
+                {c: arrays[f"{c}_{s}"] for c in self.conditioning})) for s in streams}
+            real_rows = np.flatnonzero(evaluators.to_host(arrays["mask"]))
+            pairs = (self._pair_captions(batch, k, real_rows, decoded, source)
+                     if self.is_main else [])
+            view = evaluators.EvalBatch(state.params, arrays,
+                                        {s: STREAM_INPUTS[s][0] for s in streams},
+                                        real_rows if self.is_main else None, pairs)
+            for evaluator in self.evaluators:
+                evaluator.add(view)
+            records.extend(caption for _, _, caption in pairs)
         if not self.is_main:
             # Wait while process 0 scores, and learn the metric that picks the best checkpoint.
             return {self.selection_metric: _share_from_main(0.0)}
-        metrics = evaluation.evaluate_pairs(records, spice=config.spice)
-        metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
-                       protocol=meta.protocol)
-        if judge is not None:  # held-out accuracy of the distractor classifier (§5.6 val pass)
-            n = judged["num_pairs"]
-            metrics["distractor"] = {"accuracy": 100.0 * judged["correct"] / n,
-                                     "loss": judged["loss"] / n, "num_pairs": n}
-        protocols = tuple(config.get("eval_protocols", ("coco",)))
-        if "idc" in protocols:  # the IDC code's scoring of the same captions, side by side
-            metrics["idc"] = evaluation.evaluate_pairs_idc(records)
+        metrics: dict[str, Any] = {}
+        extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
+        for evaluator in self.evaluators:
+            metrics.update(evaluator.finish(records))
+            extra.update(evaluator.extra)
         evaluation.write_results(self.workdir, split, step, records, metrics, extra=extra)
+        self._log_evaluation(split, step, records, metrics, extra, writer)
+        _share_from_main(selection_value(metrics, self.selection_metric))
+        return metrics
+
+    def _pair_captions(self, batch: dict, k: int, real_rows: np.ndarray,
+                       decoded: dict[str, np.ndarray],
+                       source: Any) -> list[tuple[str, dict, evaluation.PairCaption]]:
+        """(stream, record, caption) of each real row of eval batch ``k`` and each stream."""
+        G = self.config.eval_batch_size
+        local, process_index = G // jax.process_count(), jax.process_index()
+        change_types = self.dataset.meta.change_types
+        pairs = []
+        for j in real_rows:
+            record = (_host_record(batch, j) if j // local == process_index
+                      else source[k * G + j])
+            for s, ids in decoded.items():
+                _, ref_key, suffix = STREAM_INPUTS[s]
+                ct = int(record["change_type"])
+                change_type = ("no_change" if s == "distractor"
+                               else (change_types[ct] if ct >= 0 else ""))
+                pairs.append((s, record, evaluation.PairCaption(
+                    image_id=_text(record["image_id"]) + suffix,
+                    caption=self.dataset.vocab.decode(ids[j], self.extra_tokens),
+                    references=[_text(c) for c in record[ref_key]],
+                    change_type=change_type)))
+        return pairs
+
+    def _log_evaluation(self, split: str, step: int, records: list[evaluation.PairCaption],
+                        metrics: dict[str, Any], extra: dict[str, dict[str, Any]],
+                        writer: MetricWriter | None) -> None:
+        """The metrics table, the protocols side by side, a few examples, the scalars."""
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
         if "idc" in metrics:
             logging.info("protocols compared:\n%s", evaluation.format_protocol_comparison(
                 {"coco": metrics, "idc": metrics["idc"]}))
-        for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:
+        every = 2 if len(self.eval_streams()) > 1 else 1
+        for r in records[: 2 * self.config.num_logged_examples: every]:
             logging.info("  %s: %r | refs %r%s", r.image_id, r.caption, r.references[:2],
                          f" | inputs {extra[r.image_id]}" if r.image_id in extra else "")
         if writer is not None:
@@ -491,8 +492,6 @@ class Trainer:
                 scalars.update({f"{split}/distractor_{k}": metrics["distractor"][k]
                                 for k in ("accuracy", "loss")})
             writer.write_scalars(step, scalars)
-        _share_from_main(selection_value(metrics, self.selection_metric))
-        return metrics
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
@@ -504,13 +503,6 @@ def _share_from_main(value: float) -> float:
     if jax.process_count() == 1:
         return value
     return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """A global array on every process -> this process's full numpy copy."""
-    if jax.process_count() > 1:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def _host_record(batch: dict, j: int) -> dict:

@@ -17,6 +17,7 @@ import optax
 
 from changecap_jax import parallel
 
+INPUTS_FOLD = 0x1A9B7  # the "inputs" rng of a step is fold_in(step key, INPUTS_FOLD)
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]  # (params, batch, rng)
 
 
