@@ -14,6 +14,8 @@ distractor judge runs everywhere, host bookkeeping on process 0 only) and
 - :class:`IdcProtocol`: the IDC code's scoring of the same captions, when
   ``config.eval_protocols`` includes "idc".
 - :class:`EntityOutput`: the retrieved entity texts of each pair, for datasets with entities.
+
+Section numbers (§) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ its update per step (possibly a task drawn per step), how a log window becomes s
 evaluation. Everything else is here, once, so both tasks log the same timing scalars
 (``steps_per_second`` and ``examples_per_second``), check for a non-finite loss the same way,
 and save before re-raising a failed evaluation.
+
+Section numbers (§) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

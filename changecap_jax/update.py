@@ -3,6 +3,8 @@ metrics) update built from a task's loss, and the gradient row mask it may apply
 
 Captioning (``train.make_loss_fn``) and pretraining (``models/idc_pcl_pretraining.py``) both
 build their steps with :func:`make_update_step`; only the loss differs.
+
+Section numbers (§) refer to docs/official/ (see its README.md).
 """
 
 from __future__ import annotations

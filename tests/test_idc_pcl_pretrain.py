@@ -163,20 +163,23 @@ def test_step_loss_equals_the_single_device_function(trainer, initial, forward, 
             num_tokens=model.num_tokens))(keys, jnp.asarray(ids))
         assert np.any(np.asarray(masked) != ids)
         out = forward(params, img1, img2, masked)
-        want = idc_pcl.pretrain_mlm_loss(out.mlm_logits, labels)
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.mlm_metrics,
+                                                  out.mlm_logits, labels)["loss"]
     elif task == "mvcl":
         t1, t2 = img1.reshape(samples, -1, 16), img2.reshape(samples, -1, 16)
         n = t1.shape[1]
         mask = np.asarray(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n))(keys))
         out = forward(params, np.where(mask[:, :n, None], 0.0, t1).reshape(img1.shape),
                       np.where(mask[:, n:, None], 0.0, t2).reshape(img2.shape), ids)
-        want = idc_pcl.mvcl_loss(out.regressed, mask, np.concatenate([t1, t2], 1))
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.mvcl_metrics, out.regressed,
+                                                  mask, np.concatenate([t1, t2], 1))["loss"]
     else:
         negs = host["negatives"]
         assert negs.shape == (samples, negatives.NUM_NEGATIVES, ids.shape[1])
         captions = np.concatenate([ids[:, None], negs], 1).reshape(-1, ids.shape[1])
         out = forward(params, np.repeat(img1, 7, 0), np.repeat(img2, 7, 0), captions)
-        want = idc_pcl.fda_loss(out.visual, out.text_cls, group=7)
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.fda_metrics, out.visual,
+                                                  out.text_cls, samples=samples)["loss"]
     assert float(metrics["loss"]) == pytest.approx(float(want), rel=1e-5), task
     assert float(want) > 0
 

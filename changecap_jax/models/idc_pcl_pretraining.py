@@ -94,6 +94,15 @@ def _global_mean(total: jax.Array, count: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum(total, axis) / jax.lax.psum(count, axis)
 
 
+def mlm_metrics(logits: jax.Array, labels: jax.Array, axis: str) -> dict[str, jax.Array]:
+    """§5.3 MLM: mean CE (and accuracy) over every labelled (label != -1) token of the GLOBAL
+    batch."""
+    ce, keep = idc_pcl.token_cross_entropy(logits, labels)
+    hit = (jnp.argmax(logits, -1) == labels) & keep
+    return {"loss": _global_mean(jnp.sum(ce), jnp.sum(keep), axis),
+            "accuracy": _global_mean(jnp.sum(hit), jnp.sum(keep), axis)}
+
+
 def _mlm(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
          axis: str) -> dict[str, jax.Array]:
     mask = functools.partial(
@@ -101,29 +110,20 @@ def _mlm(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
         num_tokens=model.num_tokens, word_probability=model.word_mask_probability,
         eos_probability=model.eos_mask_probability)
     ids, labels = jax.vmap(mask)(keys, jnp.asarray(batch["ids"], jnp.int32))
-    logits = forward(batch["img1"], batch["img2"], ids).mlm_logits
-    ce, keep = idc_pcl.token_cross_entropy(logits, labels)
-    hit = (jnp.argmax(logits, -1) == labels) & keep
-    return {"loss": _global_mean(jnp.sum(ce), jnp.sum(keep), axis),
-            "accuracy": _global_mean(jnp.sum(hit), jnp.sum(keep), axis)}
+    return mlm_metrics(forward(batch["img1"], batch["img2"], ids).mlm_logits, labels, axis)
 
 
-def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
-          axis: str) -> dict[str, jax.Array]:
-    del model
-    t1, t2 = _tokens(batch["img1"]), _tokens(batch["img2"])
-    n, c = t1.shape[1], t1.shape[2]
-    # Pseudo pairs of a caption source (A.3): only the real image is masked, and the empty
-    # image's regions are no negatives (they are no image's regions).
-    pseudo = batch.get("pseudo", jnp.zeros(t1.shape[0], bool))
-    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(
-        keys, real_only=pseudo)  # (s, 2N)
-    empty = jnp.concatenate([jnp.zeros((t1.shape[0], n), bool),
-                             jnp.broadcast_to(pseudo[:, None], (t1.shape[0], n))], 1)
-    out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
-                  batch["ids"])
-    pred = idc_pcl.l2_normalize(out.regressed.astype(jnp.float32))  # (s, 2N, C)
-    true = idc_pcl.l2_normalize(jnp.concatenate([t1, t2], 1))
+def mvcl_row_losses(regressed: jax.Array, mask: jax.Array, features: jax.Array,
+                    empty: jax.Array | None = None, *,
+                    axis: str) -> tuple[jax.Array, jax.Array]:
+    """§5.3 MVCL per masked region: regressed / features (s, 2N, C), mask (s, 2N) bool, True =
+    masked, each sample's masked regions on one image; ``empty`` (s, 2N) marks regions of no
+    image (a pseudo pair's second image), never negatives. Returns (the NCE of each region of
+    each sample's masked image, 0 at unmasked ones, (s * N,); their mask), in batch order."""
+    n, c = mask.shape[1] // 2, features.shape[-1]
+    pred = idc_pcl.l2_normalize(regressed.astype(jnp.float32))  # (s, 2N, C)
+    true = idc_pcl.l2_normalize(features)
+    empty = jnp.zeros_like(mask) if empty is None else empty
     # A sample's masked regions lie on one image: its N regions are the only candidate rows
     # (half the work of scoring all 2N), and their true features the only positive columns.
     first = jnp.any(mask[:, :n], -1)
@@ -142,16 +142,39 @@ def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
     logits = jnp.concatenate([jnp.where(true_ok[None], rows @ true_cols.T, -jnp.inf),
                               jnp.where(pred_ok[None], rows @ pred_cols.T, -jnp.inf)], 1)
     per_row = jax.nn.logsumexp(logits, -1) - jnp.sum(rows * row_true, -1)  # nce_temp 1 (I-Q5)
-    return {"loss": _global_mean(jnp.sum(jnp.where(row_masked, per_row, 0.0)),
-                                 jnp.sum(row_masked), axis)}
+    return jnp.where(row_masked, per_row, 0.0), row_masked
 
 
-def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, jax.Array]:
-    img1, img2, captions = fda_rows(batch["img1"], batch["img2"], batch["ids"],
-                                    batch["negatives"])
-    out = forward(img1, img2, captions)
-    samples = batch["ids"].shape[0]
-    sim = jnp.sum(idc_pcl.l2_normalize(out.visual) * idc_pcl.l2_normalize(out.text_cls),
+def mvcl_metrics(regressed: jax.Array, mask: jax.Array, features: jax.Array,
+                 empty: jax.Array | None = None, *, axis: str) -> dict[str, jax.Array]:
+    """§5.3 MVCL: the mean of :func:`mvcl_row_losses` over the GLOBAL masked regions."""
+    per_row, masked = mvcl_row_losses(regressed, mask, features, empty, axis=axis)
+    return {"loss": _global_mean(jnp.sum(per_row), jnp.sum(masked), axis)}
+
+
+def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
+          axis: str) -> dict[str, jax.Array]:
+    del model
+    t1, t2 = _tokens(batch["img1"]), _tokens(batch["img2"])
+    n = t1.shape[1]
+    # Pseudo pairs of a caption source (A.3): only the real image is masked, and the empty
+    # image's regions are no negatives (they are no image's regions).
+    pseudo = batch.get("pseudo", jnp.zeros(t1.shape[0], bool))
+    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(
+        keys, real_only=pseudo)  # (s, 2N)
+    empty = jnp.concatenate([jnp.zeros((t1.shape[0], n), bool),
+                             jnp.broadcast_to(pseudo[:, None], (t1.shape[0], n))], 1)
+    out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
+                  batch["ids"])
+    return mvcl_metrics(out.regressed, mask, jnp.concatenate([t1, t2], 1), empty, axis=axis)
+
+
+def fda_metrics(visual: jax.Array, text_cls: jax.Array, samples: int, axis: str,
+                temperature: float = 1.0) -> dict[str, jax.Array]:
+    """§5.3 FDA: cosine(visual, text) per row; each sample's 1 + K consecutive rows (positive
+    first) form its logits / temperature; CE to 0 (and accuracy, mean positive and negative
+    similarity), means over the GLOBAL samples."""
+    sim = jnp.sum(idc_pcl.l2_normalize(visual) * idc_pcl.l2_normalize(text_cls),
                   -1).reshape(samples, -1)  # (s, 1 + K), the positive first
     log_probs = jax.nn.log_softmax(sim / temperature, -1)
     count = jnp.float32(samples)
@@ -160,6 +183,21 @@ def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, 
             "positive_similarity": _global_mean(jnp.sum(sim[:, 0]), count, axis),
             "negative_similarity": _global_mean(jnp.sum(sim[:, 1:]),
                                                 count * (sim.shape[1] - 1), axis)}
+
+
+def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, jax.Array]:
+    img1, img2, captions = fda_rows(batch["img1"], batch["img2"], batch["ids"],
+                                    batch["negatives"])
+    out = forward(img1, img2, captions)
+    return fda_metrics(out.visual, out.text_cls, batch["ids"].shape[0], axis, temperature)
+
+
+def on_one_device(loss: Any, *args: Any, **kwargs: Any) -> Any:
+    """``loss(*args, axis=..., **kwargs)`` inside ``shard_map`` on a 1-device mesh: the plain
+    batch's value, as a single-device function computes it (tests and parity checks)."""
+    axis = parallel.DATA_AXIS
+    return jax.shard_map(lambda *a: loss(*a, axis=axis, **kwargs), mesh=parallel.make_mesh(1),
+                         in_specs=P(), out_specs=P(), check_vma=False)(*args)
 
 
 @dataclasses.dataclass(frozen=True)
