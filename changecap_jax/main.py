@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
             workdir = os.path.join("workdir", name)
         if FLAGS.mode == "eval":
             _require_checkpoint(workdir)
-    from changecap_jax import parallel, train
+    from changecap_jax import parallel, pretrain, train
 
     # orbax logs every checkpoint step at INFO; keep its warnings only.
     logging.getLogger("absl").addFilter(
@@ -116,12 +116,11 @@ def main(argv: list[str]) -> None:
     logging.info("workdir %s, config %s", workdir, FLAGS["config"].config_filename)
     if FLAGS.verbose:
         logging.info("config:\n%s", config)
-    if "pretrain" in config:
-        from changecap_jax import pretrain
-
-        pretrain.PretrainTrainer(config, workdir).train()
-    elif FLAGS.mode == "train":
-        train.Trainer(config, workdir).train()
+    if FLAGS.mode == "train":
+        # The task (captioning, or pretraining for a config with a pretrain block); its
+        # train() runs the one loop (loop.run).
+        task = pretrain.PretrainTrainer if "pretrain" in config else train.Trainer
+        task(config, workdir).train()
     else:
         train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
     _close(workdir)

@@ -16,20 +16,9 @@ from it with ``--config.init_from=P`` (same ``checkpoints/`` layout, a ``state``
   batch of the drawn task's iterator: ``batch_size`` examples' worth of pairs (batch_size x
   streams samples) for MLM and MVCL, ``pretrain.fda_batch_size`` samples for FDA.
 * One jitted update per task (compiled once each), Adam with ``optim``'s schedule (noam in the
-  presets, §5.6). The losses run inside ``shard_map`` over the data axis and every reduction
-  spans the GLOBAL batch, so N devices compute one device's loss:
-
-  - ``mlm``: captions masked by ``idc_pcl.mask_caption`` (§5.1), each sample's key folded from
-    the step's "inputs" key and its GLOBAL index; mean CE over every labelled token of the
-    global batch (psum of sums / psum of counts) = ``idc_pcl.pretrain_mlm_loss``.
-  - ``mvcl``: per sample 15 % of one image's N regions (img1 or img2 with p = 0.5, at least
-    one) set to 0; a masked region's regressed feature is scored against the true features of
-    every masked region and the model's regressions at every unmasked region of the global
-    batch (``all_gather`` over the data axis), CE to its own target; psum of the row losses
-    over the global masked-region count = ``idc_pcl.mvcl_loss``.
-  - ``fda``: each sample's caption, then its 6 hard negatives in file order, with the images
-    repeated per caption (groups of 7 stay on one device); CE of the positive among the 7
-    cosine similarities, mean over the global samples = ``idc_pcl.fda_loss``.
+  presets, §5.6), built by the trunk's ``update.make_update_step`` over the task's loss; the
+  losses over the GLOBAL batch (mlm, mvcl, fda, and the classification source's) are
+  ``models/idc_pcl_pretraining.py``. The steps run in the trunk's one loop (``loop.run``).
 * Checkpoints: the state and each task's iterator in one orbax Composite (the task draw needs
   no counter), so a resumed run continues every stream exactly.
 * Validation every ``eval_every_steps``: each task's loss (MLM and FDA accuracy, FDA positive
@@ -97,7 +86,6 @@ import dataclasses
 import functools
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,26 +94,28 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
-from jax.sharding import PartitionSpec as P
 
-from changecap_jax import checkpoints, console, export, parallel, precision, train
+from changecap_jax import checkpoints, loop, parallel, train
 from changecap_jax.data import auto_prep, extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
-from changecap_jax.errors import UserError
 from changecap_jax.metric_writer import MetricWriter
-from changecap_jax.models import idc_pcl
+from changecap_jax.models.idc_pcl_pretraining import (  # noqa: F401  (re-exported)
+    CONTRASTIVE_LOSSES,
+    EXTRA_FOLD,
+    REGION_MASK_PROBABILITY,
+    TASKS,
+    ClassifyLosses,
+    PretrainError,
+    global_contrastive,
+    make_task_loss,
+    make_task_step,
+    region_mask,
+    sample_keys,
+)
 
-TASKS = ("mlm", "mvcl", "fda")
-REGION_MASK_PROBABILITY = 0.15  # §5.1 MVM masking
 VAL_FOLD = 0x7A11  # validation masks come from fold_in(fold_in(seed key, VAL_FOLD), batch)
 VAL_SEED = 0  # the val batches' shuffle: the same batches at every validation
-EXTRA_FOLD = 0xE17A  # the classification heads' dropout: fold_in(the device's dropout key, it)
-
-
-class PretrainError(UserError, ValueError):
-    """A pretraining config or input that cannot work (names the field or the file)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,257 +144,6 @@ def draw_task(seed: int, step: int, tasks: tuple[str, ...], probabilities: np.nd
     """The task of update ``step``: a function of (seed, step) only, equal on every process."""
     rng = np.random.default_rng([seed, step])
     return tasks[int(rng.choice(len(tasks), p=probabilities))]
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-sample inputs (§5.1, §5.3)
-# ---------------------------------------------------------------------------------------------
-
-
-def sample_keys(key: jax.Array, index: jax.Array) -> jax.Array:
-    """One key per sample from its GLOBAL index, so masks do not depend on the device count."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
-
-
-def region_mask(key: jax.Array, num_regions: int,
-                probability: float = REGION_MASK_PROBABILITY,
-                real_only: jax.Array | bool = False) -> jax.Array:
-    """§5.1 MVM mask (2N,) bool, True = masked: each region with ``probability`` (one at random
-    when none was drawn), on img1 with p = 0.5, else on img2. ``real_only`` (a pseudo pair of
-    a caption source, A.3): always on img1, the real image; the same draws otherwise."""
-    k_pick, k_one, k_side = jax.random.split(key, 3)
-    region = jax.random.uniform(k_pick, (num_regions,)) < probability
-    one = jnp.arange(num_regions) == jax.random.randint(k_one, (), 0, num_regions)
-    region = jnp.where(jnp.any(region), region, one)
-    first = (jax.random.uniform(k_side) < 0.5) | real_only
-    return jnp.concatenate([region & first, region & ~first])
-
-
-def fda_rows(img1: jax.Array, img2: jax.Array, ids: jax.Array,
-             negative_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """§5.3 FDA layout: sample i gives rows i*G .. i*G+G-1 (G = 1 + K): its caption, then its
-    K negatives in file order, each with the sample's images (repeated, interleaved)."""
-    captions = jnp.concatenate([ids[:, None], negative_ids], 1)  # (S, G, L)
-    group = captions.shape[1]
-    return (jnp.repeat(img1, group, 0), jnp.repeat(img2, group, 0),
-            captions.reshape(-1, captions.shape[-1]))
-
-
-def _tokens(x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x, jnp.float32)
-    return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
-
-
-# ---------------------------------------------------------------------------------------------
-# Losses over the GLOBAL batch (inside shard_map; §5.3)
-# ---------------------------------------------------------------------------------------------
-
-
-def _global_mean(total: jax.Array, count: jax.Array, axis: str) -> jax.Array:
-    return jax.lax.psum(total, axis) / jax.lax.psum(count, axis)
-
-
-def _mlm(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
-         axis: str) -> dict[str, jax.Array]:
-    mask = functools.partial(
-        idc_pcl.mask_caption, eos_id=model.eos_id, mask_id=model.mask_token,
-        num_tokens=model.num_tokens, word_probability=model.word_mask_probability,
-        eos_probability=model.eos_mask_probability)
-    ids, labels = jax.vmap(mask)(keys, jnp.asarray(batch["ids"], jnp.int32))
-    logits = forward(batch["img1"], batch["img2"], ids).mlm_logits
-    ce, keep = idc_pcl.token_cross_entropy(logits, labels)
-    hit = (jnp.argmax(logits, -1) == labels) & keep
-    return {"loss": _global_mean(jnp.sum(ce), jnp.sum(keep), axis),
-            "accuracy": _global_mean(jnp.sum(hit), jnp.sum(keep), axis)}
-
-
-def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
-          axis: str) -> dict[str, jax.Array]:
-    del model
-    t1, t2 = _tokens(batch["img1"]), _tokens(batch["img2"])
-    n, c = t1.shape[1], t1.shape[2]
-    # Pseudo pairs of a caption source (A.3): only the real image is masked, and the empty
-    # image's regions are no negatives (they are no image's regions).
-    pseudo = batch.get("pseudo", jnp.zeros(t1.shape[0], bool))
-    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(
-        keys, real_only=pseudo)  # (s, 2N)
-    empty = jnp.concatenate([jnp.zeros((t1.shape[0], n), bool),
-                             jnp.broadcast_to(pseudo[:, None], (t1.shape[0], n))], 1)
-    out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
-                  batch["ids"])
-    pred = idc_pcl.l2_normalize(out.regressed.astype(jnp.float32))  # (s, 2N, C)
-    true = idc_pcl.l2_normalize(jnp.concatenate([t1, t2], 1))
-    # A sample's masked regions lie on one image: its N regions are the only candidate rows
-    # (half the work of scoring all 2N), and their true features the only positive columns.
-    first = jnp.any(mask[:, :n], -1)
-
-    def masked_image(x: jax.Array) -> jax.Array:
-        side = first.reshape(-1, *([1] * (x.ndim - 1)))
-        return jnp.where(side, x[:, :n], x[:, n:]).reshape(-1, *x.shape[2:])
-
-    rows, row_true, row_masked = masked_image(pred), masked_image(true), masked_image(mask)
-    # Columns span the GLOBAL batch: every masked region's true feature, and the model's
-    # regression at every unmasked region (the official negatives, §5.3).
-    gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
-    true_cols, true_ok = gather(row_true), gather(row_masked)
-    pred_cols = gather(pred.reshape(-1, c))
-    pred_ok = ~gather(mask.reshape(-1)) & ~gather(empty.reshape(-1))
-    logits = jnp.concatenate([jnp.where(true_ok[None], rows @ true_cols.T, -jnp.inf),
-                              jnp.where(pred_ok[None], rows @ pred_cols.T, -jnp.inf)], 1)
-    per_row = jax.nn.logsumexp(logits, -1) - jnp.sum(rows * row_true, -1)  # nce_temp 1 (I-Q5)
-    return {"loss": _global_mean(jnp.sum(jnp.where(row_masked, per_row, 0.0)),
-                                 jnp.sum(row_masked), axis)}
-
-
-def _fda(forward: Any, batch: dict, axis: str, temperature: float) -> dict[str, jax.Array]:
-    img1, img2, captions = fda_rows(batch["img1"], batch["img2"], batch["ids"],
-                                    batch["negatives"])
-    out = forward(img1, img2, captions)
-    samples = batch["ids"].shape[0]
-    sim = jnp.sum(idc_pcl.l2_normalize(out.visual) * idc_pcl.l2_normalize(out.text_cls),
-                  -1).reshape(samples, -1)  # (s, 1 + K), the positive first
-    log_probs = jax.nn.log_softmax(sim / temperature, -1)
-    count = jnp.float32(samples)
-    return {"loss": _global_mean(-jnp.sum(log_probs[:, 0]), count, axis),
-            "accuracy": _global_mean(jnp.sum(jnp.argmax(sim, -1) == 0), count, axis),
-            "positive_similarity": _global_mean(jnp.sum(sim[:, 0]), count, axis),
-            "negative_similarity": _global_mean(jnp.sum(sim[:, 1:]),
-                                                count * (sim.shape[1] - 1), axis)}
-
-
-@dataclasses.dataclass(frozen=True)
-class ClassifyLosses:
-    """A.3's FGVC losses on a classification source's rows (config.pretrain.extra_source;
-    the choices the paper leaves open are in the module docstring)."""
-
-    classify_weight: float = 1.0
-    contrastive_weight: float = 1.0
-    match_weight: float = 1.0
-    contrastive: str = "transfg"  # the margin loss A.3 cites; or "supcon"
-    temperature: float = 1.0  # supcon
-    margin: float = 0.4  # transfg (TransFG's alpha)
-    pooling: str = "mean"
-    match_pooling: str = "cls"
-
-
-CONTRASTIVE_LOSSES = ("supcon", "transfg")
-
-
-def global_contrastive(z: jax.Array, labels: jax.Array, axis: str,
-                       settings: ClassifyLosses) -> jax.Array:
-    """The contrastive loss of this device's images ``z`` (n, d) against every image of the
-    GLOBAL batch (all_gather over ``axis``; inside shard_map): SupCon's mean over the anchors
-    that have a positive, or TransFG's sum / N^2."""
-    gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
-    columns, column_labels = gather(z), gather(labels)
-    if settings.contrastive == "transfg":
-        rows = idc_pcl.transfg_row_losses(z, labels, columns, column_labels, settings.margin)
-        return jax.lax.psum(jnp.sum(rows), axis) / jnp.float32(columns.shape[0]) ** 2
-    own = jax.lax.axis_index(axis) * z.shape[0] + jnp.arange(z.shape[0])  # global columns
-    rows, has_positive = idc_pcl.supcon_row_losses(z, labels, own, columns, column_labels,
-                                                   settings.temperature)
-    # Anchors without a positive in the global batch have no term (SupCon's convention).
-    return jax.lax.psum(jnp.sum(rows), axis) / jnp.maximum(
-        jax.lax.psum(jnp.sum(has_positive), axis), 1)
-
-
-def _fgvc(classify: Any, batch: dict, axis: str,
-          settings: ClassifyLosses) -> dict[str, jax.Array]:
-    """Classification CE of both images, the contrastive loss over every image of the GLOBAL
-    batch (gathered columns; ``settings.contrastive``) and the pair's same-class CE; each a mean
-    over the global batch."""
-    out = classify(batch["extra_img1"], batch["extra_img2"])
-    pairs, dim = out.single.shape[0], out.single.shape[-1]
-    labels = jnp.stack([batch["extra_label1"], batch["extra_label2"]], 1).astype(jnp.int32)
-    ce, _ = idc_pcl.token_cross_entropy(out.class_logits, labels)
-    hit = jnp.argmax(out.class_logits, -1) == labels
-    images = jnp.float32(2 * pairs)
-    contrastive = global_contrastive(out.single.reshape(2 * pairs, dim), labels.reshape(-1),
-                                     axis, settings)
-    same = batch["extra_same"].astype(jnp.int32)
-    match_ce, _ = idc_pcl.token_cross_entropy(out.match_logits, same)
-    count = jnp.float32(pairs)
-    return {
-        "fgvc_classify": _global_mean(jnp.sum(ce), images, axis),
-        "fgvc_accuracy": _global_mean(jnp.sum(hit), images, axis),
-        "fgvc_contrastive": contrastive,
-        "fgvc_match": _global_mean(jnp.sum(match_ce), count, axis),
-        "fgvc_match_accuracy": _global_mean(
-            jnp.sum(jnp.argmax(out.match_logits, -1) == same), count, axis),
-    }
-
-
-def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: bool = True,
-                   fda_temperature: float = 1.0, classify: ClassifyLosses | None = None) -> Any:
-    """(params, global batch, rng) -> (loss, metrics) of one task over the GLOBAL batch.
-
-    ``rng`` is the step's key: the masks use ``fold_in(rng, train.INPUTS_FOLD)`` folded with
-    each sample's global index, dropout ``fold_in(rng, device index)`` (as the trunk).
-    ``classify``: the batch also holds a classification source's ``extra_*`` rows, whose
-    weighted losses are added to the task's (``task_loss`` is the task's alone)."""
-    if task not in TASKS:
-        raise PretrainError(f"unknown pretraining task {task!r}; tasks: {TASKS}")
-    axis = parallel.DATA_AXIS
-
-    def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
-        # Pretraining computes in float32: half-precision stored grids are upcast here.
-        batch = precision.cast_floating(batch, jnp.float32)
-        local = batch["ids"].shape[0]
-        device = jax.lax.axis_index(axis)
-        keys = sample_keys(jax.random.fold_in(rng, train.INPUTS_FOLD),
-                           device * local + jnp.arange(local))
-        dropout = jax.random.fold_in(rng, device)
-
-        def forward(img1: jax.Array, img2: jax.Array, ids: jax.Array) -> Any:
-            return model.apply({"params": params}, img1, img2, ids, train=train_mode,
-                               rngs={"dropout": dropout}, method="pretrain")
-
-        if task == "fda":
-            metrics = _fda(forward, batch, axis, fda_temperature)
-        else:
-            metrics = (_mlm if task == "mlm" else _mvcl)(model, forward, batch, keys, axis)
-        if classify is not None:
-            def heads(img1: jax.Array, img2: jax.Array) -> Any:
-                return model.apply(
-                    {"params": params}, img1, img2, pooling=classify.pooling,
-                    match_pooling=classify.match_pooling, train=train_mode,
-                    rngs={"dropout": jax.random.fold_in(dropout, EXTRA_FOLD)},
-                    method="cross_task_classify")
-
-            extra = _fgvc(heads, batch, axis, classify)
-            metrics["task_loss"] = metrics["loss"]
-            metrics["loss"] = (metrics["loss"]
-                               + classify.classify_weight * extra["fgvc_classify"]
-                               + classify.contrastive_weight * extra["fgvc_contrastive"]
-                               + classify.match_weight * extra["fgvc_match"])
-            metrics.update(extra)
-        return metrics["loss"], metrics
-
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P()),
-                         out_specs=(P(), P()), check_vma=False)
-
-
-def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, schedule: Any,
-                   *, fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
-                   with_grads: bool = False) -> Any:
-    """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
-    gradients with ``with_grads``, for tests). Keys as the trunk: fold_in(state.rng, step)."""
-    loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature,
-                             classify=classify)
-
-    def step(state: train.TrainState, batch: dict) -> tuple:
-        rng = jax.random.fold_in(state.rng, state.step)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, rng)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        metrics["learning_rate"] = schedule(state.step)
-        state = state.replace(step=state.step + 1, opt_state=opt_state,
-                              params=optax.apply_updates(state.params, updates))
-        return (state, metrics, grads) if with_grads else (state, metrics)
-
-    repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-    return jax.jit(step, donate_argnums=0, in_shardings=(repl, data),
-                   out_shardings=(repl,) * (3 if with_grads else 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,10 +254,10 @@ class PretrainTrainer(train.Trainer):
                       if extra_meta is not None else None)
         classify = self.extra.classify if self.extra is not None else None
         temperature = float(pre.get("fda_temperature", 1.0))
-        self.task_steps = {t: make_task_step(self.model, t, self.optimizer, self.mesh,
-                                             self.schedule, fda_temperature=temperature,
-                                             classify=classify)
-                           for t in self.tasks}
+        self.task_steps = {t: make_task_step(
+            self.model, t, self.optimizer, self.mesh, self.schedule, fda_temperature=temperature,
+            classify=classify, zero_grad_rows=dict(config.optim.zero_grad_rows))
+            for t in self.tasks}
         self.task_losses = {t: jax.jit(make_task_loss(
             self.model, t, self.mesh, train_mode=False, fda_temperature=temperature))
             for t in self.tasks}
@@ -714,26 +453,15 @@ class PretrainTrainer(train.Trainer):
 
     def save(self, manager: ocp.CheckpointManager, step: int, state: train.TrainState,
              iterators: dict[str, Any]) -> None:
-        items = {f"data_{t}": grain.checkpoint.CheckpointSave(it) for t, it in iterators.items()}
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), **items))
+        loop.save(manager, step, state, {f"data_{t}": it for t, it in iterators.items()})
 
     def restore_all(self, manager: ocp.CheckpointManager, state: train.TrainState,
                     iterators: dict[str, Any]) -> train.TrainState:
         """The latest intact step's state and task streams (``checkpoints.restore``: damaged
-        newer steps are renamed aside, or orbax would skip this run's saves of them)."""
-
-        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
-            args = {"state": ocp.args.StandardRestore(state)}
-            for task, iterator in iterators.items():
-                if f"data_{task}" in items:
-                    args[f"data_{task}"] = grain.checkpoint.CheckpointRestore(iterator)
-                else:  # a task enabled since that checkpoint was written
-                    logging.info("checkpoint %d has no %s stream: it starts fresh", step, task)
-            return args
-
-        step, restored = checkpoints.restore(manager, args_for, move_damaged_aside=True)
-        logging.info("restored pretraining checkpoint of step %d", step)
-        return restored["state"]
+        newer steps are renamed aside, or orbax would skip this run's saves of them); a task
+        enabled since that checkpoint was written starts its stream fresh."""
+        return loop.restore(manager, state, {f"data_{t}": it for t, it in iterators.items()},
+                            move_damaged_aside=True)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -770,12 +498,45 @@ class PretrainTrainer(train.Trainer):
             (out / f"pretrain_val_{step}.json").write_text(json.dumps(results, indent=1))
         return results
 
-    # -- the loop -----------------------------------------------------------------------------
+    # -- what the loop calls (loop.Task) ------------------------------------------------------
 
-    def _window_scalars(self, window: dict[str, list], step: int) -> dict[str, float]:
+    bar_label = "pretrain"
+
+    def train(self) -> dict[str, float]:
+        """Runs (or resumes) pretraining (``loop.run``); returns the last validation's
+        metrics."""
+        return loop.run(self)
+
+    def data_streams(self) -> dict[str, Any]:
+        """Each task's stream and the extra source's, by checkpoint item name."""
+        return {f"data_{name}": it for name, it in self.iterators().items()}
+
+    def describe(self, state: train.TrainState, start: int) -> None:
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        logging.info("pretraining %s: %d parameters, tasks %s with probabilities %s, "
+                     "samples per step %s, extra %s rows %d; starting at step %d",
+                     self.config.model.name, n_params, self.tasks,
+                     np.round(self.probabilities, 4).tolist(), self.batch_sizes,
+                     self.extra.task if self.extra else None,
+                     self.extra.rows if self.extra else 0, start)
+
+    def run_step(self, state: train.TrainState, step: int,
+                 streams: dict[str, Any]) -> tuple[train.TrainState, dict, str]:
+        """The update of the task drawn for ``step``, on that task's next batch."""
+        task = draw_task(self.config.seed, step, self.tasks, self.probabilities)
+        iterators = {name.removeprefix("data_"): it for name, it in streams.items()}
+        batch = pipeline.to_global(self.host_batch(task, iterators), self.data_sharding)
+        state, metrics = self.task_steps[task](state, batch)
+        return state, metrics, task
+
+    def examples_per_step(self, key: str) -> int:
+        return self.batch_sizes[key]
+
+    def window_scalars(self, window: list[tuple[str, dict]]) -> dict[str, float]:
         """Each task's metrics averaged over its steps since the last log."""
         scalars: dict[str, float] = {}
-        for task, entries in window.items():
+        for task in self.tasks:
+            entries = [metrics for key, metrics in window if key == task]
             if not entries:
                 continue
             fetched = jax.device_get(entries)
@@ -783,66 +544,12 @@ class PretrainTrainer(train.Trainer):
                             for name in fetched[0] if name != "learning_rate"})
             scalars["learning_rate"] = float(fetched[-1]["learning_rate"])
             scalars[f"{task}/steps"] = float(len(entries))
-            if not np.isfinite(scalars[f"{task}/loss"]):
-                raise train.NonFiniteLossError(
-                    f"non-finite {task} loss {scalars[f'{task}/loss']} before step {step}")
         return scalars
 
-    def train(self) -> dict[str, float]:
-        """Runs (or resumes) pretraining; returns the last validation's metrics."""
-        config = self.config
-        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main,
-                              scalars_file=self.workdir / train.SCALARS_FILE)
-        export.save_config(self.workdir, config)
-        manager = self.checkpoint_manager()
-        state = self.init_state()
-        iterators = self.iterators()
-        if manager.latest_step() is not None:
-            state = self.restore_all(manager, state, iterators)
-            writer.truncate_after(int(state.step))
-        elif config.get("init_from", ""):
-            state = state.replace(params=train.init_params_from(
-                state.params, config.init_from, tuple(config.get("init_exclude", ()))))
-        start, total = int(state.step), self.total_train_steps
-        if self.is_main:
-            n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-            logging.info("pretraining %s: %d parameters, tasks %s with probabilities %s, "
-                         "samples per step %s, extra %s rows %d; starting at step %d",
-                         config.model.name, n_params, self.tasks,
-                         np.round(self.probabilities, 4).tolist(), self.batch_sizes,
-                         self.extra.task if self.extra else None,
-                         self.extra.rows if self.extra else 0, start)
-        # ETA from the average step time, compiles and validations left out (paused).
-        bar = console.StepBar(total, start, "pretrain", disable=not self.is_main)
-        last: dict[str, float] = {}
-        window: dict[str, list] = {t: [] for t in self.tasks}
-        window_start, window_steps = time.perf_counter(), 0
-        for step in range(start + 1, total + 1):
-            task = draw_task(config.seed, step, self.tasks, self.probabilities)
-            batch = pipeline.to_global(self.host_batch(task, iterators), self.data_sharding)
-            state, metrics = self.task_steps[task](state, batch)
-            if step == start + 1:
-                bar.unpause()  # the bar starts paused: the first call compiled
-            window[task].append(metrics)
-            window_steps += 1
-            bar.update(1)
-            if step % config.log_every_steps == 0 or step == total:
-                scalars = self._window_scalars(window, step)
-                scalars["steps_per_second"] = window_steps / (time.perf_counter() - window_start)
-                writer.write_scalars(step, scalars)
-                self.history.append((step, scalars))
-                bar.set_postfix(task=task, loss=f"{scalars[f'{task}/loss']:.3f}")
-                window = {t: [] for t in self.tasks}
-                window_start, window_steps = time.perf_counter(), 0
-            if step % config.eval_every_steps == 0 or step == total:
-                bar.pause()
-                last = self.validate(state, step)
-                if last:
-                    writer.write_scalars(step, last)
-                bar.unpause()
-            if step % config.checkpoint_every_steps == 0 or step == total:
-                self.save(manager, step, state, iterators)
-        bar.close()
-        manager.wait_until_finished()
-        writer.close()
-        return last
+    def evaluate_at(self, state: train.TrainState, step: int, writer: MetricWriter | None,
+                    final: bool) -> dict[str, float]:
+        """The validation losses (the same at every evaluation, final or not)."""
+        results = self.validate(state, step)
+        if results and writer is not None:
+            writer.write_scalars(step, results)
+        return results

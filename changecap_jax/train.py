@@ -14,13 +14,10 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import flax.struct
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -33,47 +30,42 @@ from tqdm import tqdm
 
 from changecap_jax import (
     checkpoints,
-    console,
     decoding,
     evaluation,
+    evaluators,
     export,
+    loop,
     models,
     parallel,
     precision,
 )
-from changecap_jax.data import datasets, entity_inputs, pipeline
+from changecap_jax.data import datasets, pipeline
+from changecap_jax.evaluators import DISTRACTOR_LABELS  # noqa: F401  (re-exported)
+from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old home)
+    BEST_DIR,
+    SCALARS_FILE,
+    EarlyStopping,
+    NonFiniteLossError,
+    init_params_from,
+    selection_value,
+)
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models.base import conditioning_shapes, extra_tokens
+from changecap_jax.update import (  # noqa: F401  (re-exported)
+    INPUTS_FOLD,
+    TrainState,
+    make_update_step,
+    zero_gradient_rows,
+)
 
-SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
 STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
     "semantic": ("after_semantic", "change_captions", ""),
     "distractor": ("after_distractor", "no_change_captions", "_n"),
 }
-DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
 
 
 INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
-INPUTS_FOLD = 0x1A9B7  # the "inputs" rng of a step is fold_in(step key, INPUTS_FOLD)
-
-
-class NonFiniteLossError(FloatingPointError):
-    pass
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Everything a step changes; checkpointed with the data iterator's state.
-
-    ``rng`` is the run's base key (raw uint32): step t draws its dropout keys from
-    ``fold_in(rng, t)``, so a resumed run repeats an uninterrupted run's keys exactly.
-    """
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    rng: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,19 +120,6 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: in
         decay_rate=optim.decay_factor,
         staircase=True,
     )
-
-
-def zero_gradient_rows(grads: Any, rows: dict[str, int]) -> Any:
-    """Zeroes given rows of parameters (torch's padding_idx gradient mask, reference §1.2)."""
-    if not rows:
-        return grads
-    flat = flax.traverse_util.flatten_dict(grads, sep="/")
-    for path, row in rows.items():
-        if path not in flat:
-            raise KeyError(f"optim.zero_grad_rows names {path!r}, which is not a parameter; "
-                           f"parameters: {sorted(flat)[:20]}...")
-        flat[path] = flat[path].at[row].set(0.0)
-    return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
 def frozen_labels(params: Any, frozen: tuple[str, ...] | list[str]) -> Any:
@@ -229,30 +208,13 @@ def make_train_step(
     zero_grad_rows: dict[str, int], schedule: Any, *, with_grads: bool = False,
     compute_dtype: Any = jnp.float32,
 ) -> Any:
-    """The jitted update (state, global batch) -> (state, metrics); with ``with_grads`` the
-    gradients come back as a third output (for tests: one compile gives both)."""
-    loss_fn = make_loss_fn(model, loss_weights, mesh, compute_dtype)
-
-    def train_step(state: TrainState, batch: dict) -> tuple:
-        step_rng = jax.random.fold_in(state.rng, state.step)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, step_rng)
-        grads = zero_gradient_rows(grads, zero_grad_rows)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # A model may constrain its parameters after each update (e.g. clamping a logit
-        # scale to log 100, as the official loop does after optimizer.step()).
-        post_update = getattr(model, "post_update", None)
-        if post_update is not None:
-            params = post_update(params)
-        metrics["learning_rate"] = schedule(state.step)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               rng=state.rng)
-        return (new_state, metrics, grads) if with_grads else (new_state, metrics)
-
-    repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data),
-                   out_shardings=(repl,) * (3 if with_grads else 2))
+    """The jitted update (state, global batch) -> (state, metrics) of captioning
+    (``update.make_update_step`` over :func:`make_loss_fn`); with ``with_grads`` the gradients
+    come back as a third output (for tests: one compile gives both)."""
+    return make_update_step(
+        make_loss_fn(model, loss_weights, mesh, compute_dtype), optimizer, mesh, schedule,
+        zero_grad_rows=zero_grad_rows, post_update=getattr(model, "post_update", None),
+        with_grads=with_grads)
 
 
 def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: Any,
@@ -291,12 +253,7 @@ class Trainer:
         self.is_main = jax.process_index() == 0
 
         ds = config.dataset
-        self.dataset = datasets.prepare(
-            ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-            build_if_missing=ds.build_if_missing)
-        self.max_len = config.decode.max_len or self.dataset.meta.max_caption_len
-        self.model = models.build(config.model, vocab_size=len(self.dataset.vocab),
-                                  max_len=self.max_len)
+        self.dataset, self.model, self.max_len = self._build()
         # Extra per-pair inputs the model reads (e.g. retrieved entities), joined to records.
         self.conditioning = conditioning_shapes(self.model)
         self.extra_tokens = extra_tokens(self.model)  # ids beyond the vocabulary, e.g. [MASK]
@@ -316,12 +273,16 @@ class Trainer:
             dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
-        # The distractor classifier's jitted log-probs (B, 2) for evaluation, if it has one.
-        self.judge = (jax.jit(lambda params, before, after: jax.nn.log_softmax(
-            self.model.apply(*precision.cast_floating(({"params": params}, before, after),
-                                                      self.compute_dtype),
-                             method=self.model.classify_distractor).astype(jnp.float32)))
-            if hasattr(self.model, "classify_distractor") else None)
+
+    def _build(self) -> tuple[datasets.PreparedDataset, Any, int]:
+        """The dataset, the model and the decoded length of the config (the one place a
+        shared ``build(config)`` replaces)."""
+        ds = self.config.dataset
+        dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
+                                   build_if_missing=ds.build_if_missing)
+        max_len = self.config.decode.max_len or dataset.meta.max_caption_len
+        model = models.build(self.config.model, vocab_size=len(dataset.vocab), max_len=max_len)
+        return dataset, model, max_len
 
     @property
     def total_train_steps(self) -> int:
@@ -375,104 +336,45 @@ class Trainer:
         """The state (and ``iterator``'s position) of ``step``, or of the latest intact step
         (of ``order``), passing damaged ones (``checkpoints.restore``)."""
 
-        def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
-            args = {"state": ocp.args.StandardRestore(state)}
-            if iterator is not None:
-                if "data" in items:
-                    args["data"] = grain.checkpoint.CheckpointRestore(iterator)
-                else:  # e.g. converted from PyTorch without the dataset at hand
-                    logging.info("checkpoint %d has no data iterator state: the data order "
-                                 "starts fresh", step)
-            return args
-
-        step, restored = checkpoints.restore(manager, args_for, step=step, order=order,
-                                             move_damaged_aside=move_damaged_aside)
-        logging.info("restored checkpoint of step %d from %s", step, manager.directory)
-        return restored["state"]
+        streams = {"data": iterator} if iterator is not None else {}
+        return loop.restore(manager, state, streams, step, order=order,
+                            move_damaged_aside=move_damaged_aside)
 
     # -- training loop ------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
-        config = self.config
-        writer = MetricWriter(self.workdir / "tensorboard", enabled=self.is_main,
-                              scalars_file=self.workdir / SCALARS_FILE)
-        export.save_config(self.workdir, config)  # what export and report rebuild the run from
-        manager = self.checkpoint_manager()
-        state = self.init_state()
-        iterator = iter(self.train_loader())
-        if manager.latest_step() is not None:
-            # Damaged newer steps are renamed aside, or orbax would skip this run's saves.
-            state = self.restore(manager, state, iterator, move_damaged_aside=True)
-            writer.truncate_after(int(state.step))
-        elif config.get("init_from", ""):
-            state = state.replace(params=init_params_from(
-                state.params, config.init_from, tuple(config.get("init_exclude", ()))))
-        start = int(state.step)
-        stopper = EarlyStopping(self.workdir / BEST_DIR, config.get("early_stop_evals", 0),
-                                self.selection_metric)
-        if self.is_main:
-            n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-            logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
-                         config.model.name, n_params, self.steps_per_epoch, start)
-        total_steps = self.total_train_steps
-        # ETA from the average step time, compile and evaluations left out (paused).
-        bar = console.StepBar(total_steps, start, "train", disable=not self.is_main)
-        last_eval: dict[str, Any] = {}
-        window_start, window_steps = time.perf_counter(), 0
-        for step in range(start + 1, total_steps + 1):
-            batch = pipeline.to_global(next(iterator), self.data_sharding)
-            state, metrics = self.train_step(state, batch)
-            if step == start + 1:
-                bar.unpause()  # the bar starts paused: the first call compiled
-            window_steps += 1
-            bar.update(1)
-            if step % config.log_every_steps == 0 or step == total_steps:
-                metrics = jax.device_get(metrics)
-                if not np.isfinite(metrics["loss"]):
-                    raise NonFiniteLossError(f"non-finite loss {metrics['loss']} at step {step}")
-                elapsed = time.perf_counter() - window_start
-                metrics["examples_per_second"] = window_steps * config.batch_size / elapsed
-                writer.write_scalars(step, metrics)
-                self.history.append((step, {k: float(v) for k, v in metrics.items()}))
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-                window_start, window_steps = time.perf_counter(), 0
-            do_eval = step % config.eval_every_steps == 0 or step == total_steps
-            do_save = do_eval or step % config.checkpoint_every_steps == 0
-            stop = False
-            if do_eval:
-                bar.pause()
-                final = step == total_steps and not stopper.enabled
-                splits = config.final_eval_splits if final else config.eval_splits
-                try:
-                    last_eval = {s: self.evaluate(state, s, step, writer) for s in splits}
-                except Exception:
-                    # Keep the training since the last save: checkpoint, then report.
-                    logging.error("evaluation at step %d failed; saved the checkpoint of step "
-                                  "%d first, so a rerun resumes here", step, step)
-                    _save(manager, step, state, iterator, None)
-                    manager.wait_until_finished()
-                    raise
-                if stopper.enabled:
-                    stop = stopper.update(step, last_eval, state)
-                bar.unpause()
-            if do_save:
-                saved_metrics = ({"val_CIDEr": last_eval["val"].get("CIDEr", 0.0)}
-                                 if do_eval and "val" in last_eval else None)
-                _save(manager, step, state, iterator, saved_metrics)
-            if stop:
-                logging.info("early stop at step %d: val %s has not improved for %d "
-                             "evaluations (best %.4f at step %d)", step, stopper.metric,
-                             stopper.patience, stopper.best, stopper.best_step)
-                break
-        bar.close()
-        manager.wait_until_finished()
-        if stopper.enabled:  # the final splits are scored with the best validation state
-            best = stopper.restore(state)
-            logging.info("final evaluation of the best state (step %d)", int(best.step))
-            last_eval = {s: self.evaluate(best, s, int(best.step), writer)
-                         for s in config.final_eval_splits}
-        writer.close()
-        return last_eval
+        """Runs (or resumes) the training (``loop.run``); returns the last evaluation."""
+        return loop.run(self)
+
+    # -- what the loop calls (loop.Task) ------------------------------------------------------
+
+    bar_label = "train"
+
+    def data_streams(self) -> dict[str, Any]:
+        return {"data": iter(self.train_loader())}
+
+    def describe(self, state: TrainState, start: int) -> None:
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        logging.info("model %s: %d parameters; %d steps per epoch; starting at step %d",
+                     self.config.model.name, n_params, self.steps_per_epoch, start)
+
+    def run_step(self, state: TrainState, step: int,
+                 streams: dict[str, Any]) -> tuple[TrainState, dict, str]:
+        batch = pipeline.to_global(next(streams["data"]), self.data_sharding)
+        state, metrics = self.train_step(state, batch)
+        return state, metrics, ""
+
+    def examples_per_step(self, key: str) -> int:
+        return self.config.batch_size
+
+    def window_scalars(self, window: list[tuple[str, dict]]) -> dict[str, float]:
+        """The last step's metrics (the loss is logged per step, not averaged)."""
+        return {k: float(v) for k, v in jax.device_get(window[-1][1]).items()}
+
+    def evaluate_at(self, state: TrainState, step: int, writer: MetricWriter | None,
+                    final: bool) -> dict[str, Any]:
+        splits = self.config.final_eval_splits if final else self.config.eval_splits
+        return {s: self.evaluate(state, s, step, writer) for s in splits}
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -495,87 +397,93 @@ class Trainer:
         return decoding.greedy_decode(self.model, variables, before, after,
                                       max_len=self.max_len, conditioning=conditioning).ids
 
+    @functools.cached_property
+    def evaluators(self) -> list[evaluators.Evaluator]:
+        """What an evaluation computes beside the captions (``evaluators.choose``; built once,
+        so the distractor judge compiles once)."""
+        return evaluators.choose(self.config, self.dataset, self.model, self.compute_dtype,
+                                 self.eval_streams())
+
+    def eval_streams(self) -> tuple[str, ...]:
+        return tuple(s for s in STREAM_INPUTS if s in self.model_streams())
+
     def evaluate(self, state: TrainState, split: str, step: int,
                  writer: MetricWriter | None = None) -> dict[str, Any]:
         """Decodes a split, scores it (process 0) and writes captions/ and metrics/ files."""
-        config = self.config
         source = self.dataset.split(split)
-        meta = self.dataset.meta
         # Cast once for the whole split; decode_fn's own cast is then a no-op per batch.
         params = precision.cast_floating(state.params, self.compute_dtype)
-        process_count, process_index = jax.process_count(), jax.process_index()
-        G = config.eval_batch_size
-        local = G // process_count
-        records: list[evaluation.PairCaption] = []
-        extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
         key = jax.random.fold_in(jax.random.fold_in(self.rng, 0xE7A1), step)
-        streams = [s for s in STREAM_INPUTS if s in self.model_streams()]
-        batches = self.eval_batches(source)
-        total = pipeline.num_eval_batches(len(source), G)
-        # The §5.6 val pass's distractor accuracy, where the model and the split allow it.
-        judge = self.judge if "distractor" in streams else None
-        judged = {"correct": 0, "loss": 0.0, "num_pairs": 0}
-        for k, batch in enumerate(tqdm(batches, total=total, desc=f"eval {split}",
-                                       disable=not self.is_main, dynamic_ncols=True)):
+        streams = self.eval_streams()
+        for evaluator in self.evaluators:
+            evaluator.start(split)
+        records: list[evaluation.PairCaption] = []
+        total = pipeline.num_eval_batches(len(source), self.config.eval_batch_size)
+        for k, batch in enumerate(tqdm(self.eval_batches(source), total=total,
+                                       desc=f"eval {split}", disable=not self.is_main,
+                                       dynamic_ncols=True)):
             arrays = pipeline.to_global(
                 batch, self.data_sharding,
                 fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams),
                         *(f"{c}_{s}" for c in self.conditioning for s in streams)))
-            decoded = {}
-            for s in streams:
-                after_key = STREAM_INPUTS[s][0]
-                ids = self.decode_fn(params, arrays["before"], arrays[after_key],
-                                     jax.random.fold_in(key, k),
-                                     {c: arrays[f"{c}_{s}"] for c in self.conditioning})
-                decoded[s] = _to_host(ids)
-            judge_log_probs = {s: _to_host(judge(state.params, arrays["before"],
-                                                 arrays[STREAM_INPUTS[s][0]]))
-                               for s in (streams if judge is not None else ())}
-            mask = _to_host(arrays["mask"])
-            if not self.is_main:
-                continue
-            real_rows = np.flatnonzero(mask)
-            for s, log_probs in judge_log_probs.items():
-                real, label = log_probs[real_rows], DISTRACTOR_LABELS[s]
-                judged["correct"] += int(np.sum(np.argmax(real, -1) == label))
-                judged["loss"] -= float(np.sum(real[:, label], dtype=np.float64))
-                judged["num_pairs"] += len(real)
-            for j in real_rows:
-                index = k * G + j
-                record = (_host_record(batch, j) if j // local == process_index
-                          else source[index])
-                for s in streams:
-                    _, ref_key, suffix = STREAM_INPUTS[s]
-                    ct = int(record["change_type"])
-                    change_type = ("no_change" if s == "distractor"
-                                   else (meta.change_types[ct] if ct >= 0 else ""))
-                    records.append(evaluation.PairCaption(
-                        image_id=_text(record["image_id"]) + suffix,
-                        caption=self.dataset.vocab.decode(decoded[s][j], self.extra_tokens),
-                        references=[_text(c) for c in record[ref_key]],
-                        change_type=change_type))
-                    if self.dataset.entities is not None:
-                        extra[records[-1].image_id] = {"entities": entity_inputs.entity_texts(
-                            self.dataset.entities, record[f"entity_ids_{s}"])}
+            decoded = {s: evaluators.to_host(self.decode_fn(
+                params, arrays["before"], arrays[STREAM_INPUTS[s][0]], jax.random.fold_in(key, k),
+                {c: arrays[f"{c}_{s}"] for c in self.conditioning})) for s in streams}
+            real_rows = np.flatnonzero(evaluators.to_host(arrays["mask"]))
+            pairs = (self._pair_captions(batch, k, real_rows, decoded, source)
+                     if self.is_main else [])
+            view = evaluators.EvalBatch(state.params, arrays,
+                                        {s: STREAM_INPUTS[s][0] for s in streams},
+                                        real_rows if self.is_main else None, pairs)
+            for evaluator in self.evaluators:
+                evaluator.add(view)
+            records.extend(caption for _, _, caption in pairs)
         if not self.is_main:
             # Wait while process 0 scores, and learn the metric that picks the best checkpoint.
             return {self.selection_metric: _share_from_main(0.0)}
-        metrics = evaluation.evaluate_pairs(records, spice=config.spice)
-        metrics.update(dataset=self.dataset.name, main_metrics=list(meta.main_metrics),
-                       protocol=meta.protocol)
-        if judge is not None:  # held-out accuracy of the distractor classifier (§5.6 val pass)
-            n = judged["num_pairs"]
-            metrics["distractor"] = {"accuracy": 100.0 * judged["correct"] / n,
-                                     "loss": judged["loss"] / n, "num_pairs": n}
-        protocols = tuple(config.get("eval_protocols", ("coco",)))
-        if "idc" in protocols:  # the IDC code's scoring of the same captions, side by side
-            metrics["idc"] = evaluation.evaluate_pairs_idc(records)
+        metrics: dict[str, Any] = {}
+        extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
+        for evaluator in self.evaluators:
+            metrics.update(evaluator.finish(records))
+            extra.update(evaluator.extra)
         evaluation.write_results(self.workdir, split, step, records, metrics, extra=extra)
+        self._log_evaluation(split, step, records, metrics, extra, writer)
+        _share_from_main(selection_value(metrics, self.selection_metric))
+        return metrics
+
+    def _pair_captions(self, batch: dict, k: int, real_rows: np.ndarray,
+                       decoded: dict[str, np.ndarray],
+                       source: Any) -> list[tuple[str, dict, evaluation.PairCaption]]:
+        """(stream, record, caption) of each real row of eval batch ``k`` and each stream."""
+        G = self.config.eval_batch_size
+        local, process_index = G // jax.process_count(), jax.process_index()
+        change_types = self.dataset.meta.change_types
+        pairs = []
+        for j in real_rows:
+            record = (_host_record(batch, j) if j // local == process_index
+                      else source[k * G + j])
+            for s, ids in decoded.items():
+                _, ref_key, suffix = STREAM_INPUTS[s]
+                ct = int(record["change_type"])
+                change_type = ("no_change" if s == "distractor"
+                               else (change_types[ct] if ct >= 0 else ""))
+                pairs.append((s, record, evaluation.PairCaption(
+                    image_id=_text(record["image_id"]) + suffix,
+                    caption=self.dataset.vocab.decode(ids[j], self.extra_tokens),
+                    references=[_text(c) for c in record[ref_key]],
+                    change_type=change_type)))
+        return pairs
+
+    def _log_evaluation(self, split: str, step: int, records: list[evaluation.PairCaption],
+                        metrics: dict[str, Any], extra: dict[str, dict[str, Any]],
+                        writer: MetricWriter | None) -> None:
+        """The metrics table, the protocols side by side, a few examples, the scalars."""
         logging.info("%s @ step %d:\n%s", split, step, evaluation.format_table(metrics))
         if "idc" in metrics:
             logging.info("protocols compared:\n%s", evaluation.format_protocol_comparison(
                 {"coco": metrics, "idc": metrics["idc"]}))
-        for r in records[: 2 * config.num_logged_examples: 2 if len(streams) > 1 else 1]:
+        every = 2 if len(self.eval_streams()) > 1 else 1
+        for r in records[: 2 * self.config.num_logged_examples: every]:
             logging.info("  %s: %r | refs %r%s", r.image_id, r.caption, r.references[:2],
                          f" | inputs {extra[r.image_id]}" if r.image_id in extra else "")
         if writer is not None:
@@ -584,123 +492,9 @@ class Trainer:
                 scalars.update({f"{split}/distractor_{k}": metrics["distractor"][k]
                                 for k in ("accuracy", "loss")})
             writer.write_scalars(step, scalars)
-        _share_from_main(selection_value(metrics, self.selection_metric))
-        return metrics
 
     def model_streams(self) -> tuple[str, ...]:
         return tuple(getattr(self.model, "streams", ("semantic",)))
-
-
-BEST_DIR = "best"  # the best-validation state and the early-stopping record
-
-
-def selection_value(metrics: dict[str, Any], name: str) -> float:
-    """The metric that selects checkpoints: a top-level key ("CIDEr") or PROTOCOL/KEY of a
-    second protocol's scores ("idc/CIDEr")."""
-    if name in metrics:  # also how other processes receive process 0's value
-        return float(metrics[name])
-    node: Any = metrics
-    for part in name.split("/"):
-        if not isinstance(node, dict) or part not in node:
-            raise KeyError(f"selection metric {name!r} is not in the evaluation results "
-                           f"(keys: {sorted(metrics)}); set config.early_stop_metric, and "
-                           "config.eval_protocols to include 'idc' for idc/...")
-        node = node[part]
-    return float(node)
-
-
-class EarlyStopping:
-    """Early stopping on a validation metric (IDC-PCL ``finetune.py``: stop after
-    ``patience`` evaluations without improvement, then test the best checkpoint).
-
-    The best state is saved to ``<workdir>/best`` with a ``record.json`` holding the best value,
-    its step and the count of evaluations since, so a resumed run continues the count.
-    ``patience = 0`` disables it (the trainer then scores the last state)."""
-
-    def __init__(self, directory: Path, patience: int, metric: str = "CIDEr"):
-        self.directory, self.patience, self.metric = Path(directory), int(patience), metric
-        self.best, self.best_step, self.since = -math.inf, -1, 0
-        record = self.directory / "record.json"
-        if self.enabled and record.exists():
-            saved = json.loads(record.read_text())
-            self.best, self.best_step, self.since = saved["best"], saved["step"], saved["since"]
-
-    @property
-    def enabled(self) -> bool:
-        return self.patience > 0
-
-    def _manager(self) -> ocp.CheckpointManager:
-        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1)
-
-    def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
-        """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
-        if "val" not in results:
-            raise KeyError(f"early stopping reads val {self.metric!r}; the evaluation gave "
-                           f"{sorted(results)} (set config.eval_splits to include 'val')")
-        value = selection_value(results["val"], self.metric)
-        if value > self.best:
-            self.best, self.best_step, self.since = value, step, 0
-            manager = self._manager()
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-                         force=True)
-            manager.wait_until_finished()
-        else:
-            self.since += 1
-        if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / "record.json.tmp"
-            tmp.write_text(json.dumps({"metric": self.metric, "best": self.best,
-                                       "step": self.best_step, "since": self.since}))
-            tmp.replace(self.directory / "record.json")
-        return self.since >= self.patience
-
-    def restore(self, like: TrainState) -> TrainState:
-        manager = self._manager()
-        if manager.latest_step() is None:
-            raise FileNotFoundError(f"no best checkpoint in {self.directory}")
-        _, restored = checkpoints.restore(
-            manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
-        return restored["state"]
-
-
-def init_params_from(params: Any, workdir: str | os.PathLike,
-                     exclude: tuple[str, ...] = ()) -> Any:
-    """Parameters initialised from another run's latest checkpoint (e.g. IDC-PCL fine-tuning
-    from pretraining, §5.4): every parameter whose path exists there with the same shape is
-    copied, except paths containing one of ``exclude`` (the official code skips "pooler");
-    the others keep their fresh initialisation. A shared path with another shape is an error."""
-    manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
-    if manager.latest_step() is None:
-        raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
-    step, source = checkpoints.restore(
-        manager, lambda step, items: {"state": ocp.args.StandardRestore()})
-    source_params = source["state"]["params"]
-    flat_src = flax.traverse_util.flatten_dict(source_params, sep="/")
-    flat = flax.traverse_util.flatten_dict(params, sep="/")
-    copied, skipped = [], []
-    for path, value in flat.items():
-        if path not in flat_src or any(e in path for e in exclude):
-            skipped.append(path)
-            continue
-        src = flat_src[path]
-        if tuple(src.shape) != tuple(value.shape):
-            raise ValueError(f"config.init_from: {path} has shape {tuple(src.shape)} in "
-                             f"{workdir} (step {step}) but {tuple(value.shape)} here")
-        flat[path] = jax.device_put(jnp.asarray(src, value.dtype), value.sharding)
-        copied.append(path)
-    if not copied:
-        raise ValueError(f"config.init_from: no parameter of this model is in {workdir}")
-    logging.info("init_from %s (step %d): %d parameters copied, %d fresh: %s", workdir, step,
-                 len(copied), len(skipped), skipped[:20])
-    return flax.traverse_util.unflatten_dict(flat, sep="/")
-
-
-def _save(manager: ocp.CheckpointManager, step: int, state: TrainState, iterator: Any,
-          metrics: dict[str, float] | None) -> None:
-    """Checkpoints the state and the data iterator's position at ``step``."""
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)),
-        metrics=metrics)
 
 
 def _share_from_main(value: float) -> float:
@@ -709,13 +503,6 @@ def _share_from_main(value: float) -> float:
     if jax.process_count() == 1:
         return value
     return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """A global array on every process -> this process's full numpy copy."""
-    if jax.process_count() > 1:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def _host_record(batch: dict, j: int) -> dict:

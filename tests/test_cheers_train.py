@@ -139,7 +139,8 @@ def test_ablation_presets():
 
 TRUNK_FILES = ("changecap_jax/train.py", "changecap_jax/evaluation.py",
                "changecap_jax/data/pipeline.py", "changecap_jax/data/datasets.py",
-               "changecap_jax/data/entity_inputs.py", "changecap_jax/decoding.py")
+               "changecap_jax/data/entity_inputs.py", "changecap_jax/decoding.py",
+               "changecap_jax/loop.py", "changecap_jax/update.py", "changecap_jax/evaluators.py")
 
 
 def _code_words(path: Path) -> set[str]:

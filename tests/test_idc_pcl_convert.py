@@ -50,7 +50,8 @@ from changecap_jax.convert import (  # noqa: E402
 from changecap_jax.convert.models import idc_dict_json  # noqa: E402
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import IDC_STATE  # noqa: E402
-from changecap_jax.models import idc_pcl  # noqa: E402
+from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
+from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -321,8 +322,10 @@ def test_pretraining_checkpoint_into_the_pretraining_model(setup):
     def loss_fn(q):
         o = model.apply({"params": q}, m1, m2, ids, method="pretrain")
         mlm, keep = idc_pcl.token_cross_entropy(o.mlm_logits, labels)
-        mvcl, masked = idc_pcl.mvcl_row_losses(o.regressed, img_mask, img_label)
-        fda = idc_pcl.fda_loss(o.visual, o.text_cls)
+        mvcl, masked = on_one_device(idc_pcl_pretraining.mvcl_row_losses, o.regressed,
+                                     img_mask, img_label)
+        fda = on_one_device(idc_pcl_pretraining.fda_metrics, o.visual, o.text_cls,
+                            samples=len(ids) // 7)["loss"]
         total = jnp.sum(mlm) / jnp.sum(keep) + jnp.sum(mvcl) / jnp.sum(masked) + fda
         return total, (mlm, keep, mvcl, masked, fda)
 

@@ -28,8 +28,9 @@ from torch_reference import idc_pcl as tref  # noqa: E402
 
 from changecap_jax import decoding  # noqa: E402
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
-from changecap_jax.models import idc_pcl  # noqa: E402
+from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
+from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -264,9 +265,11 @@ def test_pretrain_forward_losses_and_gradients():
 
     def loss_fn(params):
         o = model.apply({"params": params}, m1, m2, ids, method="pretrain")
-        parts = (idc_pcl.pretrain_mlm_loss(o.mlm_logits, labels),
-                 idc_pcl.mvcl_loss(o.regressed, img_mask, img_label),
-                 idc_pcl.fda_loss(o.visual, o.text_cls))
+        parts = (on_one_device(idc_pcl_pretraining.mlm_metrics, o.mlm_logits, labels)["loss"],
+                 on_one_device(idc_pcl_pretraining.mvcl_metrics, o.regressed, img_mask,
+                               img_label)["loss"],
+                 on_one_device(idc_pcl_pretraining.fda_metrics, o.visual, o.text_cls,
+                               samples=b // 7)["loss"])
         return sum(parts), (parts, o)
 
     grads, (ours, out) = jax.jit(jax.grad(loss_fn, has_aux=True))(variables["params"])

@@ -26,7 +26,7 @@ from train_helpers import SMALL, tiny_run
 from changecap_jax import checkpoints, models, parallel, pretrain, train
 from changecap_jax.data import datasets, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples
-from changecap_jax.models import idc_pcl
+from changecap_jax.models import idc_pcl, idc_pcl_pretraining
 from data_prep import hard_negatives
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,20 +163,23 @@ def test_step_loss_equals_the_single_device_function(trainer, initial, forward, 
             num_tokens=model.num_tokens))(keys, jnp.asarray(ids))
         assert np.any(np.asarray(masked) != ids)
         out = forward(params, img1, img2, masked)
-        want = idc_pcl.pretrain_mlm_loss(out.mlm_logits, labels)
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.mlm_metrics,
+                                                  out.mlm_logits, labels)["loss"]
     elif task == "mvcl":
         t1, t2 = img1.reshape(samples, -1, 16), img2.reshape(samples, -1, 16)
         n = t1.shape[1]
         mask = np.asarray(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n))(keys))
         out = forward(params, np.where(mask[:, :n, None], 0.0, t1).reshape(img1.shape),
                       np.where(mask[:, n:, None], 0.0, t2).reshape(img2.shape), ids)
-        want = idc_pcl.mvcl_loss(out.regressed, mask, np.concatenate([t1, t2], 1))
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.mvcl_metrics, out.regressed,
+                                                  mask, np.concatenate([t1, t2], 1))["loss"]
     else:
         negs = host["negatives"]
         assert negs.shape == (samples, negatives.NUM_NEGATIVES, ids.shape[1])
         captions = np.concatenate([ids[:, None], negs], 1).reshape(-1, ids.shape[1])
         out = forward(params, np.repeat(img1, 7, 0), np.repeat(img2, 7, 0), captions)
-        want = idc_pcl.fda_loss(out.visual, out.text_cls, group=7)
+        want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.fda_metrics, out.visual,
+                                                  out.text_cls, samples=samples)["loss"]
     assert float(metrics["loss"]) == pytest.approx(float(want), rel=1e-5), task
     assert float(want) > 0
 
@@ -264,7 +267,8 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
         assert step == want_step
         task = pretrain.draw_task(SEED, step, TASKS, p)
         assert f"{task}/loss" in got and not {f"{t}/loss" for t in TASKS if t != task} & set(got)
-        got.pop("steps_per_second"), want.pop("steps_per_second")
+        for timing in ("steps_per_second", "examples_per_second"):
+            got.pop(timing), want.pop(timing)
         assert got == want, step  # bit-identical
     assert set(draw for draw in (pretrain.draw_task(SEED, t, TASKS, p)
                                  for t in range(INTERRUPT + 1, STEPS + 1))) == set(TASKS)
@@ -323,7 +327,7 @@ def test_fda_batch_is_the_positive_then_its_six_negatives(trainer):
     batch = next(iter(trainer.task_loader("fda")))
     s, k = batch["ids"].shape[0], negatives.NUM_NEGATIVES
     assert batch["negatives"].shape == (s, k, batch["ids"].shape[1])
-    img1, img2, rows = (np.asarray(x) for x in pretrain.fda_rows(
+    img1, img2, rows = (np.asarray(x) for x in idc_pcl_pretraining.fda_rows(
         batch["img1"], batch["img2"], batch["ids"], batch["negatives"]))
     assert rows.shape == (s * (1 + k), batch["ids"].shape[1])
     for i in range(s):

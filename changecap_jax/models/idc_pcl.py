@@ -832,12 +832,6 @@ def token_cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
     return jnp.where(keep, -picked, 0.0), keep
 
 
-def pretrain_mlm_loss(mlm_logits: Array, labels: Array) -> Array:
-    """§5.3 MLM: mean CE over every labelled (label != -1) text token of the batch."""
-    ce, keep = token_cross_entropy(mlm_logits, labels)
-    return jnp.sum(ce) / jnp.sum(keep)
-
-
 def finetune_loss(
     mlm_logits: Array, labels: Array, distractor_logits: Array, distractor_labels: Array
 ) -> tuple[Array, Array]:
@@ -851,34 +845,6 @@ def finetune_loss(
 def l2_normalize(x: Array) -> Array:
     """torch F.normalize: x / max(||x||, 1e-12)."""
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-def mvcl_row_losses(
-    regressed: Array, img_mask: Array, img_label: Array, temperature: float = 1.0
-) -> tuple[Array, Array]:
-    """§5.3 MVCL with static shapes: row r (a masked region) scores p_r against the true
-    features y of EVERY masked region of the batch and the predictions n at every unmasked
-    region; its NCE is the CE with target y_r. regressed / img_label (B, 2N, C), img_mask
-    (B, 2N) bool, True = masked. Returns (the per-region NCE, 0 at unmasked regions, (B*2N,);
-    the flat mask). nce_temp is 1.0 in the code (I-Q5)."""
-    c = regressed.shape[-1]
-    pred = l2_normalize(regressed.reshape(-1, c).astype(jnp.float32))
-    true = l2_normalize(img_label.reshape(-1, c).astype(jnp.float32))
-    masked = img_mask.reshape(-1).astype(bool)
-    pos_block = jnp.where(masked[None, :], pred @ true.T, -jnp.inf)
-    neg_block = jnp.where(~masked[None, :], pred @ pred.T, -jnp.inf)
-    logits = jnp.concatenate([pos_block, neg_block], 1) / temperature
-    positive = jnp.sum(pred * true, axis=-1) / temperature
-    per_row = jax.nn.logsumexp(logits, axis=-1) - positive
-    return jnp.where(masked, per_row, 0.0), masked
-
-
-def mvcl_loss(
-    regressed: Array, img_mask: Array, img_label: Array, temperature: float = 1.0
-) -> Array:
-    """§5.3 MVCL: the mean of :func:`mvcl_row_losses` over the masked regions."""
-    per_row, masked = mvcl_row_losses(regressed, img_mask, img_label, temperature)
-    return jnp.sum(per_row) / jnp.sum(masked)
 
 
 def supcon_row_losses(anchors: Array, anchor_labels: Array, anchor_index: Array,
@@ -913,11 +879,3 @@ def transfg_row_losses(anchors: Array, anchor_labels: Array, columns: Array,
     cos = za @ zc.T
     same = anchor_labels[:, None] == column_labels[None, :]
     return jnp.sum(jnp.where(same, 1.0 - cos, jnp.maximum(cos - margin, 0.0)), -1)
-
-
-def fda_loss(visual: Array, text_cls: Array, group: int = 7, temperature: float = 1.0) -> Array:
-    """§5.3 FDA: cosine(visual_k, text_k) per row; consecutive ``group`` rows (positive first)
-    form one pair's logits / tmp; CE to 0, mean over pairs."""
-    sim = jnp.sum(l2_normalize(visual) * l2_normalize(text_cls), axis=-1).reshape(-1, group)
-    log_probs = jax.nn.log_softmax(sim / temperature, axis=-1)
-    return -jnp.mean(log_probs[:, 0])

@@ -1,0 +1,338 @@
+"""The one training loop: start-up, restore or ``init_from``, steps, logging, evaluation,
+checkpoints and early stopping, for any :class:`Task`.
+
+A task (captioning: ``train.Trainer``; IDC-PCL pretraining:
+``models/idc_pcl_pretraining.py``) says what differs: its state, its checkpointed data streams,
+its update per step (possibly a task drawn per step), how a log window becomes scalars, and its
+evaluation. Everything else is here, once, so both tasks log the same timing scalars
+(``steps_per_second`` and ``examples_per_second``), check for a non-finite loss the same way,
+and save before re-raising a failed evaluation.
+
+Section numbers (§) refer to docs/official/ (see its README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import flax.traverse_util
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from changecap_jax import checkpoints, console, export
+from changecap_jax.metric_writer import MetricWriter
+from changecap_jax.update import TrainState
+
+SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
+BEST_DIR = "best"  # the best-validation state and the early-stopping record
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+class Task(Protocol):
+    """What :func:`run` calls on a task; ``history`` receives (step, scalars) per log."""
+
+    config: ml_collections.ConfigDict
+    workdir: Path
+    is_main: bool
+    history: list[tuple[int, dict[str, float]]]
+    selection_metric: str
+    bar_label: str  # the progress bar's description
+
+    @property
+    def total_train_steps(self) -> int: ...
+
+    def checkpoint_manager(self) -> ocp.CheckpointManager: ...
+
+    def init_state(self) -> TrainState: ...
+
+    def data_streams(self) -> dict[str, Any]:
+        """Checkpoint item name -> this process's endless, checkpointable batch iterator."""
+
+    def describe(self, state: TrainState, start: int) -> None:
+        """Logs what is trained, once at start-up."""
+
+    def run_step(self, state: TrainState, step: int,
+                 streams: dict[str, Any]) -> tuple[TrainState, dict, str]:
+        """Update ``step`` (1-based): (new state, device metrics, window key)."""
+
+    def examples_per_step(self, key: str) -> int: ...
+
+    def window_scalars(self, window: list[tuple[str, dict]]) -> dict[str, float]:
+        """The scalars logged for the (key, metrics) steps since the last log."""
+
+    def evaluate_at(self, state: TrainState, step: int, writer: MetricWriter | None,
+                    final: bool) -> dict[str, Any]:
+        """Evaluates ``state``; ``final``: the last evaluation of a run without early stop."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: TrainState, streams: dict[str, Any],
+         metrics: dict[str, float] | None = None) -> None:
+    """Checkpoints the state and every data stream's position at ``step``."""
+    items = {name: grain.checkpoint.CheckpointSave(it) for name, it in streams.items()}
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), **items),
+                 metrics=metrics)
+
+
+def restore(manager: ocp.CheckpointManager, state: TrainState, streams: dict[str, Any],
+            step: int | None = None, *, order: list[int] | None = None,
+            move_damaged_aside: bool = False) -> TrainState:
+    """The state (and the streams' positions) of ``step``, or of the latest intact step (of
+    ``order``), passing damaged ones (``checkpoints.restore``). A stream the checkpoint lacks
+    (enabled since, or converted from PyTorch without the dataset at hand) starts fresh."""
+
+    def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
+        args = {"state": ocp.args.StandardRestore(state)}
+        for name, iterator in streams.items():
+            if name in items:
+                args[name] = grain.checkpoint.CheckpointRestore(iterator)
+            else:
+                logging.info("checkpoint %d has no %s stream: it starts fresh", step, name)
+        return args
+
+    step, restored = checkpoints.restore(manager, args_for, step=step, order=order,
+                                         move_damaged_aside=move_damaged_aside)
+    logging.info("restored checkpoint of step %d from %s", step, manager.directory)
+    return restored["state"]
+
+
+def init_params_from(params: Any, workdir: str | os.PathLike,
+                     exclude: tuple[str, ...] = ()) -> Any:
+    """Parameters initialised from another run's latest checkpoint (e.g. IDC-PCL fine-tuning
+    from pretraining, §5.4): every parameter whose path exists there with the same shape is
+    copied, except paths containing one of ``exclude`` (the official code skips "pooler");
+    the others keep their fresh initialisation. A shared path with another shape is an error."""
+    manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
+    if manager.latest_step() is None:
+        raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
+    step, source = checkpoints.restore(
+        manager, lambda step, items: {"state": ocp.args.StandardRestore()})
+    flat_src = flax.traverse_util.flatten_dict(source["state"]["params"], sep="/")
+    flat = flax.traverse_util.flatten_dict(params, sep="/")
+    copied, skipped = [], []
+    for path, value in flat.items():
+        if path not in flat_src or any(e in path for e in exclude):
+            skipped.append(path)
+            continue
+        src = flat_src[path]
+        if tuple(src.shape) != tuple(value.shape):
+            raise ValueError(f"config.init_from: {path} has shape {tuple(src.shape)} in "
+                             f"{workdir} (step {step}) but {tuple(value.shape)} here")
+        flat[path] = jax.device_put(jnp.asarray(src, value.dtype), value.sharding)
+        copied.append(path)
+    if not copied:
+        raise ValueError(f"config.init_from: no parameter of this model is in {workdir}")
+    logging.info("init_from %s (step %d): %d parameters copied, %d fresh: %s", workdir, step,
+                 len(copied), len(skipped), skipped[:20])
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+# ---------------------------------------------------------------------------------------------
+# Early stopping
+# ---------------------------------------------------------------------------------------------
+
+
+def selection_value(metrics: dict[str, Any], name: str) -> float:
+    """The metric that selects checkpoints: a top-level key ("CIDEr") or PROTOCOL/KEY of a
+    second protocol's scores ("idc/CIDEr")."""
+    if name in metrics:  # also how other processes receive process 0's value
+        return float(metrics[name])
+    node: Any = metrics
+    for part in name.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"selection metric {name!r} is not in the evaluation results "
+                           f"(keys: {sorted(metrics)}); set config.early_stop_metric, and "
+                           "config.eval_protocols to include 'idc' for idc/...")
+        node = node[part]
+    return float(node)
+
+
+class EarlyStopping:
+    """Early stopping on a validation metric (IDC-PCL ``finetune.py``: stop after
+    ``patience`` evaluations without improvement, then test the best checkpoint).
+
+    The best state is saved to ``<workdir>/best`` with a ``record.json`` holding the best value,
+    its step and the count of evaluations since, so a resumed run continues the count.
+    ``patience = 0`` disables it (the trainer then scores the last state)."""
+
+    def __init__(self, directory: Path, patience: int, metric: str = "CIDEr"):
+        self.directory, self.patience, self.metric = Path(directory), int(patience), metric
+        self.best, self.best_step, self.since = -math.inf, -1, 0
+        record = self.directory / "record.json"
+        if self.enabled and record.exists():
+            saved = json.loads(record.read_text())
+            self.best, self.best_step, self.since = saved["best"], saved["step"], saved["since"]
+
+    @property
+    def enabled(self) -> bool:
+        return self.patience > 0
+
+    def _manager(self) -> ocp.CheckpointManager:
+        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1)
+
+    def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
+        """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
+        if "val" not in results:
+            raise KeyError(f"early stopping reads val {self.metric!r}; the evaluation gave "
+                           f"{sorted(results)} (set config.eval_splits to include 'val')")
+        value = selection_value(results["val"], self.metric)
+        if value > self.best:
+            self.best, self.best_step, self.since = value, step, 0
+            manager = self._manager()
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                         force=True)
+            manager.wait_until_finished()
+        else:
+            self.since += 1
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / "record.json.tmp"
+            tmp.write_text(json.dumps({"metric": self.metric, "best": self.best,
+                                       "step": self.best_step, "since": self.since}))
+            tmp.replace(self.directory / "record.json")
+        return self.since >= self.patience
+
+    def restore(self, like: TrainState) -> TrainState:
+        manager = self._manager()
+        if manager.latest_step() is None:
+            raise FileNotFoundError(f"no best checkpoint in {self.directory}")
+        _, restored = checkpoints.restore(
+            manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
+        return restored["state"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def start(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
+          streams: dict[str, Any]) -> TrainState:
+    """The state to train from: the latest checkpoint (damaged newer steps renamed aside, or
+    orbax would skip this run's saves of them), else fresh or ``config.init_from``."""
+    config = task.config
+    state = task.init_state()
+    if manager.latest_step() is not None:
+        state = restore(manager, state, streams, move_damaged_aside=True)
+        writer.truncate_after(int(state.step))
+    elif config.get("init_from", ""):
+        state = state.replace(params=init_params_from(
+            state.params, config.init_from, tuple(config.get("init_exclude", ()))))
+    return state
+
+
+class _Window:
+    """The steps since the last log and their wall-clock time."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, dict]] = []
+        self.examples = 0
+        self.start = time.perf_counter()
+
+    def add(self, key: str, metrics: dict, examples: int) -> None:
+        self.steps.append((key, metrics))
+        self.examples += examples
+
+    def scalars(self, task: Task, step: int) -> dict[str, float]:
+        scalars = task.window_scalars(self.steps)
+        for name, value in scalars.items():
+            if (name == "loss" or name.endswith("/loss")) and not np.isfinite(value):
+                raise NonFiniteLossError(f"non-finite {name} {value} at step {step}")
+        elapsed = time.perf_counter() - self.start
+        scalars["steps_per_second"] = len(self.steps) / elapsed
+        scalars["examples_per_second"] = self.examples / elapsed
+        return scalars
+
+
+def _evaluate(task: Task, manager: ocp.CheckpointManager, state: TrainState, step: int,
+              streams: dict[str, Any], writer: MetricWriter, final: bool) -> dict[str, Any]:
+    """The task's evaluation; on failure the training since the last save is kept first."""
+    try:
+        return task.evaluate_at(state, step, writer, final)
+    except Exception:
+        logging.error("evaluation at step %d failed; saved the checkpoint of step %d first, "
+                      "so a rerun resumes here", step, step)
+        save(manager, step, state, streams)
+        manager.wait_until_finished()
+        raise
+
+
+def _checkpoint_metrics(results: dict[str, Any]) -> dict[str, float] | None:
+    """What the checkpoint manager keeps the best step by (``checkpoints``: val_CIDEr)."""
+    if "val" not in results or not isinstance(results["val"], dict):
+        return None
+    return {"val_CIDEr": results["val"].get("CIDEr", 0.0)}
+
+
+def run(task: Task) -> dict[str, Any]:
+    """Runs (or resumes) ``task`` to ``task.total_train_steps``; returns the last evaluation
+    (with early stopping: the best validation state's on the final splits)."""
+    config = task.config
+    writer = MetricWriter(task.workdir / "tensorboard", enabled=task.is_main,
+                          scalars_file=task.workdir / SCALARS_FILE)
+    export.save_config(task.workdir, config)  # what export and report rebuild the run from
+    manager = task.checkpoint_manager()
+    streams = task.data_streams()
+    state = start(task, manager, writer, streams)
+    first, total = int(state.step), task.total_train_steps
+    stopper = EarlyStopping(task.workdir / BEST_DIR, config.get("early_stop_evals", 0),
+                            task.selection_metric)
+    if task.is_main:
+        task.describe(state, first)
+    # ETA from the average step time, compiles and evaluations left out (paused).
+    bar = console.StepBar(total, first, task.bar_label, disable=not task.is_main)
+    results: dict[str, Any] = {}
+    window = _Window()
+    for step in range(first + 1, total + 1):
+        state, metrics, key = task.run_step(state, step, streams)
+        if step == first + 1:
+            bar.unpause()  # the bar starts paused: the first call compiled
+        window.add(key, metrics, task.examples_per_step(key))
+        bar.update(1)
+        if step % config.log_every_steps == 0 or step == total:
+            scalars = window.scalars(task, step)
+            writer.write_scalars(step, scalars)
+            task.history.append((step, scalars))
+            bar.set_postfix(loss=f"{scalars.get(f'{key}/loss', scalars.get('loss')):.3f}")
+            window = _Window()
+        do_eval = step % config.eval_every_steps == 0 or step == total
+        stop = False
+        if do_eval:
+            bar.pause()
+            final = step == total and not stopper.enabled
+            results = _evaluate(task, manager, state, step, streams, writer, final)
+            if stopper.enabled:
+                stop = stopper.update(step, results, state)
+            bar.unpause()
+        if do_eval or step % config.checkpoint_every_steps == 0:
+            save(manager, step, state, streams, _checkpoint_metrics(results) if do_eval else None)
+        if stop:
+            logging.info("early stop at step %d: val %s has not improved for %d evaluations "
+                         "(best %.4f at step %d)", step, stopper.metric, stopper.patience,
+                         stopper.best, stopper.best_step)
+            break
+    bar.close()
+    manager.wait_until_finished()
+    if stopper.enabled:  # the final splits are scored with the best validation state
+        best = stopper.restore(state)
+        logging.info("final evaluation of the best state (step %d)", int(best.step))
+        results = task.evaluate_at(best, int(best.step), writer, True)
+    writer.close()
+    return results

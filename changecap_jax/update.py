@@ -1,0 +1,83 @@
+"""The one update step of every task: the train state, the jitted (state, batch) -> (state,
+metrics) update built from a task's loss, and the gradient row mask it may apply.
+
+Captioning (``train.make_loss_fn``) and pretraining (``models/idc_pcl_pretraining.py``) both
+build their steps with :func:`make_update_step`; only the loss differs.
+
+Section numbers (§) refer to docs/official/ (see its README.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import flax.traverse_util
+import jax
+import optax
+
+from changecap_jax import parallel
+
+INPUTS_FOLD = 0x1A9B7  # the "inputs" rng of a step is fold_in(step key, INPUTS_FOLD)
+LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]  # (params, batch, rng)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step changes; checkpointed with the data iterators' state.
+
+    ``rng`` is the run's base key (raw uint32): step t draws its dropout keys from
+    ``fold_in(rng, t)``, so a resumed run repeats an uninterrupted run's keys exactly.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def zero_gradient_rows(grads: Any, rows: dict[str, int]) -> Any:
+    """Zeroes given rows of parameters (torch's padding_idx gradient mask, reference §1.2)."""
+    if not rows:
+        return grads
+    flat = flax.traverse_util.flatten_dict(grads, sep="/")
+    for path, row in rows.items():
+        if path not in flat:
+            raise KeyError(f"optim.zero_grad_rows names {path!r}, which is not a parameter; "
+                           f"parameters: {sorted(flat)[:20]}...")
+        flat[path] = flat[path].at[row].set(0.0)
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def make_update_step(loss_fn: LossFn, optimizer: Any, mesh: Any, schedule: Any, *,
+                     zero_grad_rows: dict[str, int] | None = None,
+                     post_update: Callable[[Any], Any] | None = None,
+                     with_grads: bool = False) -> Any:
+    """The jitted update (state, global batch) -> (state, metrics); with ``with_grads`` the
+    gradients come back as a third output (for tests: one compile gives both).
+
+    ``loss_fn`` is formed over the GLOBAL batch (inside ``shard_map``) and receives the step's
+    key ``fold_in(state.rng, state.step)``. ``zero_grad_rows`` masks gradient rows before the
+    optimiser; ``post_update`` constrains the parameters after it (e.g. clamping a logit scale
+    to log 100, as the official loop does after optimizer.step()).
+    """
+    rows = dict(zero_grad_rows or {})
+
+    def update(state: TrainState, batch: dict) -> tuple:
+        step_rng = jax.random.fold_in(state.rng, state.step)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, batch, step_rng)
+        grads = zero_gradient_rows(grads, rows)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if post_update is not None:
+            params = post_update(params)
+        metrics["learning_rate"] = schedule(state.step)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                               rng=state.rng)
+        return (new_state, metrics, grads) if with_grads else (new_state, metrics)
+
+    repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
+    return jax.jit(update, donate_argnums=0, in_shardings=(repl, data),
+                   out_shardings=(repl,) * (3 if with_grads else 2))

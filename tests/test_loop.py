@@ -1,0 +1,87 @@
+"""The one loop and the one update builder: captioning and pretraining both run through
+``loop.run``, and both tasks' updates come from ``update.make_update_step`` (so pretraining gets
+the gradient row mask and the model's ``post_update``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from changecap_jax import loop, parallel, pretrain, train, update
+from changecap_jax.models import idc_pcl_pretraining
+
+
+def test_captioning_and_pretraining_run_the_same_loop(monkeypatch):
+    ran = []
+    monkeypatch.setattr(loop, "run", lambda task: ran.append(task) or {"ran": True})
+    captioning, pretraining = object(), object()
+    assert train.Trainer.train(captioning) == {"ran": True}
+    assert pretrain.PretrainTrainer.train(pretraining) == {"ran": True}
+    assert ran == [captioning, pretraining]
+
+
+def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
+    built = []
+    monkeypatch.setattr(idc_pcl_pretraining, "make_update_step",
+                        lambda loss_fn, *args, **kw: built.append(kw) or "step")
+    monkeypatch.setattr(train, "make_update_step",
+                        lambda loss_fn, *args, **kw: built.append(kw) or "step")
+
+    class Model:
+        def post_update(self, params):
+            return params
+
+    model, mesh = Model(), parallel.make_mesh(1)
+    rows = {"word_embedding/embedding": 0}
+    assert idc_pcl_pretraining.make_task_step(model, "mlm", None, mesh, None,
+                                              zero_grad_rows=rows) == "step"
+    assert train.make_train_step(model, None, {}, mesh, rows, None) == "step"
+    for kw in built:
+        assert kw["zero_grad_rows"] == rows
+        assert kw["post_update"] == model.post_update
+
+
+def _toy_step(rows, post_update):
+    mesh = parallel.make_mesh(1)
+
+    def per_device(params, batch, rng):
+        loss = jnp.sum(params["w"] * jax.lax.psum(jnp.sum(batch["x"], 0), parallel.DATA_AXIS))
+        return loss, {"loss": loss}
+
+    loss_fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(parallel.DATA_AXIS), P()),
+                            out_specs=(P(), P()), check_vma=False)
+    optimizer = optax.sgd(0.5)
+    step = update.make_update_step(loss_fn, optimizer, mesh, optax.constant_schedule(0.5),
+                                   zero_grad_rows=rows, post_update=post_update)
+    params = {"w": jnp.ones((3, 2))}
+    state = update.TrainState(step=jnp.int32(0), params=params,
+                              opt_state=optimizer.init(params), rng=jax.random.PRNGKey(0))
+    batch = {"x": jax.device_put(np.full((2, 3, 2), 1.0, np.float32),
+                                 parallel.batch_sharding(mesh))}
+    return step(state, batch)
+
+
+def test_the_shared_update_masks_rows_and_applies_post_update():
+    plain, metrics = _toy_step({}, None)
+    np.testing.assert_allclose(plain.params["w"], np.full((3, 2), 0.0))  # 1 - 0.5 * 2
+    assert int(plain.step) == 1 and float(metrics["learning_rate"]) == 0.5
+    masked, _ = _toy_step({"w": 1}, lambda p: {"w": jnp.maximum(p["w"], -0.25) + 0.125})
+    want = np.full((3, 2), 0.125)
+    want[1] = 1.125  # the masked row keeps its value; post_update runs after the optimiser
+    np.testing.assert_allclose(masked.params["w"], want)
+
+
+@pytest.mark.parametrize("name", ["loss", "mlm/loss"])
+def test_a_non_finite_loss_stops_the_loop(name):
+    class Task:
+        def window_scalars(self, window):
+            return {name: float("nan")}
+
+    window = loop._Window()
+    window.add("", {}, 1)
+    with pytest.raises(loop.NonFiniteLossError, match=f"non-finite {name} nan at step 3"):
+        window.scalars(Task(), 3)
