@@ -33,9 +33,9 @@ from changecap_jax import (
     decoding,
     evaluation,
     evaluators,
+    experiment,
     export,
     loop,
-    models,
     parallel,
     precision,
 )
@@ -51,7 +51,6 @@ from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old hom
 )
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
-from changecap_jax.models.base import conditioning_shapes, extra_tokens
 from changecap_jax.update import (  # noqa: F401  (re-exported)
     INPUTS_FOLD,
     TrainState,
@@ -247,42 +246,24 @@ class Trainer:
                  mesh: Any | None = None):
         self.config = config
         self.workdir = Path(workdir)
-        self.mesh = mesh if mesh is not None else parallel.make_mesh()
-        parallel.check_global_batch(config.batch_size, self.mesh)
-        parallel.check_global_batch(config.eval_batch_size, self.mesh)
+        self.experiment = experiment.build(config, mesh=mesh)
+        self.mesh = self.experiment.mesh
         self.is_main = jax.process_index() == 0
-
-        ds = config.dataset
-        self.dataset, self.model, self.max_len = self._build()
+        self.dataset, self.model = self.experiment.dataset, self.experiment.model
+        self.max_len = self.experiment.max_len
         # Extra per-pair inputs the model reads (e.g. retrieved entities), joined to records.
-        self.conditioning = conditioning_shapes(self.model)
-        self.extra_tokens = extra_tokens(self.model)  # ids beyond the vocabulary, e.g. [MASK]
+        self.conditioning = self.experiment.conditioning
+        self.extra_tokens = self.experiment.extra_tokens  # ids beyond the vocabulary, e.g. [MASK]
         self.selection_metric = config.get("early_stop_metric", "CIDEr")
-        self.dataset = datasets.attach_conditioning(self.dataset, self.conditioning)
-        if "distractor" in self.model_streams() and not self.dataset.meta.has_distractor:
-            raise datasets.DatasetError(
-                f"the model trains on distractor pairs but dataset {ds.name!r} has none; set "
-                f"--config.model.pairs=semantic_only (or use the dataset's preset)")
-        num_train = self.dataset.meta.split_sizes.get("train") or len(self.dataset.split("train"))
-        self.steps_per_epoch = math.ceil(num_train / config.batch_size)
+        self.steps_per_epoch = self.experiment.steps_per_epoch
         self.optimizer, self.schedule = make_optimizer(config.optim, self.steps_per_epoch)
         self.rng = jax.random.PRNGKey(config.seed)
-        self.compute_dtype = precision.compute_dtype(config.get("compute_dtype", "float32"))
+        self.compute_dtype = self.experiment.compute_dtype
         self.train_step = make_train_step(
             self.model, self.optimizer, dict(config.loss_weights), self.mesh,
             dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype)
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
-
-    def _build(self) -> tuple[datasets.PreparedDataset, Any, int]:
-        """The dataset, the model and the decoded length of the config (the one place a
-        shared ``build(config)`` replaces)."""
-        ds = self.config.dataset
-        dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                                   build_if_missing=ds.build_if_missing)
-        max_len = self.config.decode.max_len or dataset.meta.max_caption_len
-        model = models.build(self.config.model, vocab_size=len(dataset.vocab), max_len=max_len)
-        return dataset, model, max_len
 
     @property
     def total_train_steps(self) -> int:
@@ -380,24 +361,12 @@ class Trainer:
 
     def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
                   key: jax.Array, conditioning: dict[str, jax.Array] | None = None) -> jax.Array:
-        params, before, after, conditioning = precision.cast_floating(
-            (params, before, after, conditioning), self.compute_dtype)
-        variables = {"params": params}
-        decode = self.config.decode
-        if decode.get("beam_size", 1) > 1:
-            if decode.sample:
-                raise ValueError("decode.sample and decode.beam_size > 1 exclude each other")
-            return decoding.beam_search(self.model, variables, before, after,
-                                        beam_size=decode.beam_size, max_len=self.max_len,
-                                        length_penalty=decode.get("length_penalty", 0.0),
-                                        conditioning=conditioning).ids
-        if decode.sample:
-            return decoding.sample_decode(self.model, variables, before, after, key,
-                                          max_len=self.max_len, conditioning=conditioning).ids
-        return decoding.greedy_decode(self.model, variables, before, after,
-                                      max_len=self.max_len, conditioning=conditioning).ids
+        """Caption ids of a batch as ``config.decode`` says (``decoding.decode_ids``)."""
+        return decoding.decode_ids(self.model, params, before, after,
+                                   decode_config=self.config.decode, max_len=self.max_len,
+                                   key=key, conditioning=conditioning,
+                                   compute_dtype=self.compute_dtype)
 
-    @functools.cached_property
     def evaluators(self) -> list[evaluators.Evaluator]:
         """What an evaluation computes beside the captions (``evaluators.choose``; built once,
         so the distractor judge compiles once)."""
