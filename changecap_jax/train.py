@@ -367,6 +367,7 @@ class Trainer:
                                    key=key, conditioning=conditioning,
                                    compute_dtype=self.compute_dtype)
 
+    @functools.cached_property
     def evaluators(self) -> list[evaluators.Evaluator]:
         """What an evaluation computes beside the captions (``evaluators.choose``; built once,
         so the distractor judge compiles once)."""
