@@ -36,9 +36,13 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 
+# Re-exported: the caption-stream conventions live in the data layer (data/streams.py), which
+# both the input pipeline and the models import.
+from changecap_jax.data.streams import IGNORE_INDEX as IGNORE_INDEX
+from changecap_jax.data.streams import pair_streams as pair_streams
+
 ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
 MEMORY_LAYOUTS = ("shared_grid", "before_after")
-IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
 CAPTION_REDUCTIONS = ("mean", "sum")
 
 
@@ -93,8 +97,3 @@ def conditioning_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     takes them as keyword arguments. Most models read none.
     """
     return dict(getattr(model, "conditioning_shapes", None) or {})
-
-
-def pair_streams(pairs: str) -> tuple[str, ...]:
-    """The caption streams a model trains on: both pairs, or the semantic pair only."""
-    return ("semantic", "distractor") if pairs == "both" else ("semantic",)
