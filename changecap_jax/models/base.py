@@ -1,4 +1,5 @@
-"""What every model on the trunk returns to the trainer.
+"""What every model on the trunk returns to the trainer (the full contract, what the trunk may
+call on a model, is ``models/contract.py``; docs/model_contract.md).
 
 A model is a Flax module whose ``__call__(batch, *, train, axis_name=None)`` returns a
 :class:`ModelOutput`. The trainer turns each caption stream into a cross-entropy averaged over

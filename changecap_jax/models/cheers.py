@@ -76,13 +76,7 @@ import jax
 import jax.numpy as jnp
 
 from changecap_jax import losses
-from changecap_jax.data.streams import (
-    caption_mask,
-    check_pairs,
-    make_caption_targets,
-    stream_pairs,
-    validate_batch,
-)
+from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import cached_step, check_decode_length, teacher_forced_words
@@ -339,7 +333,7 @@ class CHEERS(contract.TrunkModel, nn.Module):
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
-        check_pairs(self.pairs)
+        streams.check_pairs(self.pairs)
         if self.entity_consistency and not (self.use_cre and self.use_dre):
             raise ValueError("entity_consistency compares the image CRE and DRE maps with the "
                              "entity ones (Eq. 7, 11): it needs use_cre=True and use_dre=True")
@@ -419,21 +413,21 @@ class CHEERS(contract.TrunkModel, nn.Module):
     def _decode(self, memory: tuple[Array, Array | None], ids: Array, *, train: bool) -> Array:
         visual, entities = memory
         h = teacher_forced_words(self, ids, not train)
-        self_mask = make_attention_mask(ids.shape[1], caption_mask(ids), causal=True)
+        self_mask = make_attention_mask(ids.shape[1], streams.caption_mask(ids), causal=True)
         for layer in self.layer:
             h = layer(h, visual, entities, self_mask, deterministic=not train)
         return self.logit(h)
 
     def __call__(self, batch: dict[str, Array], *, train: bool,
                  axis_name: str | None = None) -> ModelOutput:
-        validate_batch(batch, self.streams, model="CHEERS", check_ranks=False)
+        streams.validate_batch(batch, self.streams, model="CHEERS", check_ranks=False)
         logits, targets, aux = {}, {}, []
-        for stream, after, ids in stream_pairs(batch, self.streams):
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
             memory, stream_aux = self._encode(
                 batch["before"], after, batch.get(f"entities_{stream}"),
                 train=train, axis_name=axis_name)
             logits[stream] = self._decode(memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             aux.append(stream_aux)
         mean_aux = {k: sum(a[k] for a in aux) / len(aux) for k in aux[0]}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=mean_aux)

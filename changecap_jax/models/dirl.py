@@ -97,14 +97,7 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.data.streams import (
-    STREAM_KEYS,
-    caption_mask,
-    check_pairs,
-    make_caption_targets,
-    stream_pairs,
-    validate_batch,
-)
+from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import cached_step, init_layer_caches, teacher_forced_words
@@ -128,7 +121,7 @@ Array = jax.Array
 
 VARIANTS = ("clevr_change", "clevr_dc")
 # The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
-STREAMS = STREAM_KEYS
+STREAMS = streams.STREAM_KEYS
 
 
 class EncoderOutput(NamedTuple):
@@ -355,7 +348,7 @@ class CCRDecoder(nn.Module):
         """Teacher-forced pass: ids (B, Lt) -> logits (B, Lt, V) and the last layer's (t, v)."""
         deterministic = not train
         h = teacher_forced_words(self, ids, deterministic)
-        self_mask = make_attention_mask(ids.shape[1], caption_mask(ids), causal=True)
+        self_mask = make_attention_mask(ids.shape[1], streams.caption_mask(ids), causal=True)
         t = v = None
         for layer in self.layer:
             # Only the last layer's (t, v) enter the CCR loss (§4.2, D-Q6).
@@ -404,7 +397,7 @@ class DIRLCCR(contract.TrunkModel, nn.Module):
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
-        check_pairs(self.pairs)
+        streams.check_pairs(self.pairs)
         self.encoder = DIRLEncoder(
             hidden_dim=self.hidden_dim,
             num_heads=self.num_heads,
@@ -432,10 +425,10 @@ class DIRLCCR(contract.TrunkModel, nn.Module):
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
-        validate_batch(batch, self.streams, model="DIRLCCR")
+        streams.validate_batch(batch, self.streams, model="DIRLCCR")
         before = self._features(batch["before"])
         logits, targets, dirl, ccr = {}, {}, [], []
-        for stream, after, ids in stream_pairs(batch, self.streams):
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
             enc = self.encoder(before, self._features(after), train=train)
             dirl.append(
                 losses.barlow_correlation_loss(
@@ -447,7 +440,7 @@ class DIRLCCR(contract.TrunkModel, nn.Module):
             )
             memory = self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
             logits[stream], t, v = self.decoder(memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             ccr.append(losses.ccr_infonce_loss(t, v, axis_name=axis_name))
         # Equal-weight mean of the pairs: 0.5/0.5 on CLEVR-Change, the single pair on DC (§4.3).
         aux = {"dirl": sum(dirl) / len(dirl), "ccr": sum(ccr) / len(ccr)}

@@ -99,8 +99,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.data import streams as data_streams
-from changecap_jax.data.streams import IGNORE_INDEX, validate_batch
+from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ATTENTION, DecodingRules, ModelOutput
 from changecap_jax.models.dropout import Dropout
@@ -120,7 +119,7 @@ MASK_ID = 5
 # caption stream -> (after-image field, caption field, distractor label), from data/streams.py;
 # convert/mapping.py reads it for its example batch.
 STREAMS = {s.name: (s.after, s.caption, s.distractor_label)
-           for s in data_streams.STREAMS.values()}
+           for s in streams.STREAMS.values()}
 TYPE_CLS1, TYPE_IMG1, TYPE_CLS2, TYPE_IMG2, TYPE_CLS3, TYPE_TEXT = 1, 2, 3, 4, 5, 6
 NUM_TYPES = 7
 PE_LEN = 200  # rows of the official sinusoid buffer
@@ -421,7 +420,7 @@ def mask_caption(
     random_ids = jax.random.randint(k_rand, (length,), 0, num_tokens, jnp.int32)
     replaced = jnp.where(kind < 0.8, mask_id, jnp.where(kind < 0.9, random_ids, ids))
     masked = jnp.where(chosen, replaced, ids)
-    labels = jnp.where(chosen, ids, IGNORE_INDEX)
+    labels = jnp.where(chosen, ids, streams.IGNORE_INDEX)
     eos_masked = (pos == eos_pos) & (jax.random.uniform(k_eos) < eos_probability)
     masked = jnp.where(eos_masked, mask_id, masked)
     labels = jnp.where(eos_masked, eos_id, labels)
@@ -682,15 +681,15 @@ class IDCPCL(contract.TrunkModel, nn.Module):
             raise ValueError("the trunk trains stage='finetune'; pretraining has its own step "
                              "(changecap_jax.pretrain)")
         # Images may be (B, H, W, C) grids or (B, N, C) tokens: no rank check.
-        validate_batch(batch, self.streams, model="IDC-PCL", check_ranks=False)
+        streams.validate_batch(batch, self.streams, model="IDC-PCL", check_ranks=False)
         local_b = batch["before"].shape[0]
         masked = self.masked_captions(batch, axis_name=axis_name)
         logits, targets, distractor_ce = {}, {}, []
         for stream in self.streams:
             ids, labels = masked[stream]
-            out = self.finetune(batch["before"], batch[data_streams.STREAMS[stream].after], ids,
+            out = self.finetune(batch["before"], batch[streams.STREAMS[stream].after], ids,
                                 train=train)
-            label = data_streams.STREAMS[stream].distractor_label
+            label = streams.STREAMS[stream].distractor_label
             logits[stream], targets[stream] = out.mlm_logits, labels
             ce, _ = token_cross_entropy(out.distractor_logits,
                                         jnp.full((local_b,), label, jnp.int32))
@@ -725,7 +724,7 @@ class IDCPCL(contract.TrunkModel, nn.Module):
             keys = jax.vmap(lambda i, n=n: jax.random.fold_in(jax.random.fold_in(key, n), i))(
                 example)
             masked[stream] = jax.vmap(mask)(
-                keys, jnp.asarray(batch[data_streams.STREAMS[stream].caption], jnp.int32))
+                keys, jnp.asarray(batch[streams.STREAMS[stream].caption], jnp.int32))
         return masked
 
     # ---- decoding protocol (changecap_jax/decoding.py; §5.5) ---------------------------------

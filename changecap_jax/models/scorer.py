@@ -110,14 +110,7 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.data.streams import (
-    STREAM_KEYS,
-    caption_mask,
-    check_pairs,
-    make_caption_targets,
-    stream_pairs,
-    validate_batch,
-)
+from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import multi_head_attend, speaker_for
@@ -134,7 +127,7 @@ from changecap_jax.models.layers import (
 Array = jax.Array
 
 # The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
-STREAMS = STREAM_KEYS
+STREAMS = streams.STREAM_KEYS
 LOGIT_SCALE_MAX = math.log(100.0)  # §3.4: exp(logit_scale) <= 100
 LOGIT_SCALE_INIT = 1.0  # §3.5: torch.ones([]), i.e. a multiplier of e
 
@@ -409,7 +402,7 @@ class SCORERCBR(contract.TrunkModel, nn.Module):
         return self.num_heads if self.encoder_heads is None else self.encoder_heads
 
     def setup(self) -> None:
-        check_pairs(self.pairs)
+        streams.check_pairs(self.pairs)
         if self.matching not in losses.MATCHINGS:
             raise ValueError(f"matching must be one of {losses.MATCHINGS}, got "
                              f"{self.matching!r}")
@@ -430,22 +423,22 @@ class SCORERCBR(contract.TrunkModel, nn.Module):
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: losses.AxisName = None
     ) -> ModelOutput:
-        validate_batch(batch, self.streams, model=type(self).__name__)
+        streams.validate_batch(batch, self.streams, model=type(self).__name__)
         before = self._features(batch["before"])
         match_loss = lambda m: losses.matching_contrastive_loss(
             m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size,
             matching=self.matching, num_heads=self.scorer_heads)
         logits, targets, sim, cbr = {}, {}, [], []
-        for stream, after, ids in stream_pairs(batch, self.streams):
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
             enc = self.encoder(before, self._features(after), train=train)
             logits[stream], sentence = self.decoder(enc.memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             if self.use_sim:
                 s1, s2 = enc.matching
                 sim.append(0.5 * (match_loss(s1) + match_loss(s2)))
             if self.use_cbr:
                 cbr.append(self.cbr(enc.tokens_before, sentence, enc.tokens_after,
-                                    caption_mask(ids), axis_name=axis_name,
+                                    streams.caption_mask(ids), axis_name=axis_name,
                                     chunk_size=self.match_chunk_size))
         # Equal-weight mean of the pairs: 1/2 pos + 1/2 neg on CLEVR-Change (§3.4).
         aux = {}

@@ -31,12 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from changecap_jax.data.streams import (
-    check_pairs,
-    make_caption_targets,
-    stream_pairs,
-    validate_batch,
-)
+from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import speaker_for
@@ -94,7 +89,7 @@ class Subtraction(contract.TrunkModel, nn.Module):
     fusion: str = "difference"
 
     def setup(self) -> None:
-        check_pairs(self.pairs)
+        streams.check_pairs(self.pairs)
         self.encoder = SubtractionEncoder(self.hidden_dim, self.dropout_rate, self.fusion)
         self.decoder = speaker_for(self)
 
@@ -105,13 +100,13 @@ class Subtraction(contract.TrunkModel, nn.Module):
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
         del axis_name  # no batch-wide loss
-        validate_batch(batch, self.streams, model=type(self).__name__)
+        streams.validate_batch(batch, self.streams, model=type(self).__name__)
         before = self._features(batch["before"])
         logits, targets = {}, {}
-        for stream, after, ids in stream_pairs(batch, self.streams):
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
             memory = self.encoder(before, self._features(after), train=train)
             logits[stream] = self.decoder(memory, ids, train=train)[0]
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses={})
 
     # ---- decoding protocol ----------------------------------------------------------------
