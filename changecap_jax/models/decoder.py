@@ -310,6 +310,26 @@ class Speaker(nn.Module):
         return cached_step(self, token, index)
 
 
+class DelegatedDecoding(nn.Module):
+    """``init_cache``, ``decode_step`` and ``decode`` of a model whose submodule ``decoder``
+    (a Speaker or DIRL's CCR decoder) does the decoding: ``decoder.init_cache(memory, max_len)``,
+    ``decoder.step(token, index)`` and ``decoder(memory, ids, train=...)[0]`` (the logits).
+    The model defines ``encode`` itself (changecap_jax/decoding.py)."""
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        """Create the 'cache' collection: per layer, zeroed self-attention keys/values for
+        ``max_len`` positions and the cross-attention keys/values of ``memory``."""
+        self.decoder.init_cache(memory, max_len)
+
+    def decode_step(self, token: Array, index: Array) -> Array:
+        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
+        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
+
+    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
+        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
+        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]
+
+
 def speaker_for(model: Any) -> Speaker:
     """The Speaker of a model with SCORER's decoder fields (``vocab_size``, ``max_len``,
     ``hidden_dim``, ``num_heads``, ``decoder_layers``, ``word_dim``, ``dropout_rate``,

@@ -100,7 +100,12 @@ from changecap_jax import losses
 from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
-from changecap_jax.models.decoder import cached_step, init_layer_caches, teacher_forced_words
+from changecap_jax.models.decoder import (
+    DelegatedDecoding,
+    cached_step,
+    init_layer_caches,
+    teacher_forced_words,
+)
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
@@ -368,7 +373,7 @@ class CCRDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class DIRLCCR(contract.TrunkModel, nn.Module):
+class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     """DIRL encoder + CCR decoder; every hyperparameter is a field (defaults = the paper).
 
     The input feature width (1024 + 2 coordinates on CLEVR-Change) and the grid size are read
@@ -446,7 +451,7 @@ class DIRLCCR(contract.TrunkModel, nn.Module):
         aux = {"dirl": sum(dirl) / len(dirl), "ccr": sum(ccr) / len(ccr)}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
@@ -454,16 +459,3 @@ class DIRLCCR(contract.TrunkModel, nn.Module):
             self._features(before), self._features(after), train=train, with_mlp=False
         )
         return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
-        (B, max_len, H, E/H) and the cross-attention keys/values of ``memory``."""
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]

@@ -113,7 +113,7 @@ from changecap_jax import losses
 from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
-from changecap_jax.models.decoder import multi_head_attend, speaker_for
+from changecap_jax.models.decoder import DelegatedDecoding, multi_head_attend, speaker_for
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     TorchDense,
@@ -354,7 +354,7 @@ def clamp_params(params: Any, paths: list[tuple[str, ...]], maximum: float) -> A
     return params
 
 
-class SCORERCBR(contract.TrunkModel, nn.Module):
+class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
     """SCORER encoder + Speaker decoder + CBR; every hyperparameter is a field (defaults = the
     official CLEVR-Change config, transformer.yaml).
 
@@ -457,21 +457,8 @@ class SCORERCBR(contract.TrunkModel, nn.Module):
             paths.append(("cbr", "contra", "logit_scale"))
         return clamp_params(params, paths, LOGIT_SCALE_MAX)
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         return self.encoder(self._features(before), self._features(after), train=train).memory
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
-        (B, max_len, hidden) and the cross-attention keys/values of ``memory``."""
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]

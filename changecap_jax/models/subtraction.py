@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from changecap_jax.data import streams
 from changecap_jax.models import contract
 from changecap_jax.models.base import ModelOutput
-from changecap_jax.models.decoder import speaker_for
+from changecap_jax.models.decoder import DelegatedDecoding, speaker_for
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import TorchDense, grid_input, grid_position_embedding
 
@@ -69,7 +69,7 @@ class SubtractionEncoder(nn.Module):
         return nn.relu(self.dropout(self.embed_fc_0(tokens), deterministic=not train))
 
 
-class Subtraction(contract.TrunkModel, nn.Module):
+class Subtraction(contract.TrunkModel, DelegatedDecoding):
     """Subtraction encoder + SCORER's Speaker decoder; no auxiliary losses."""
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
@@ -109,17 +109,8 @@ class Subtraction(contract.TrunkModel, nn.Module):
             targets[stream] = streams.make_caption_targets(ids)
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses={})
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         return self.encoder(self._features(before), self._features(after), train=train)
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]
