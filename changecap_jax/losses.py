@@ -17,7 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IGNORE_INDEX = -1  # target id that the caption loss skips (torch's ignore_index=-1)
+# The ignored target id belongs to the caption conventions of the data layer (re-exported).
+from changecap_jax.data.streams import IGNORE_INDEX as IGNORE_INDEX
 
 Array = jax.Array
 AxisName = str | tuple[str, ...] | None

@@ -1,10 +1,10 @@
 """Random training batches of a dataset's shapes, to time a model without building its data.
 
 A model on the trunk reads ``before``, and per caption stream (``semantic``, plus
-``distractor`` when it trains on both pairs) the after-image and the caption ids:
-``after_semantic`` / ``change_caption`` and ``after_distractor`` / ``no_change_caption``;
-a model with conditioning inputs (``models.base.conditioning_shapes``, e.g. CHEERS's retrieved
-entities) also reads ``<name>_<stream>``. :func:`make_batch` fills those with random values
+``distractor`` when it trains on both pairs) the after-image and the caption ids, named by
+``changecap_jax/data/streams.py``; a model with conditioning inputs
+(``models.base.conditioning_shapes``, e.g. CHEERS's retrieved entities) also reads
+``<name>_<stream>``. :func:`make_batch` fills those with random values
 of the right shapes and dtypes: features from N(0, 1), captions ``<START> w ... <END>`` of
 random length, zero-padded. :func:`check_model_reads` then runs the model's ``init`` on
 shapes only, so a model that reads anything else is refused with the key it asked for.
@@ -19,17 +19,15 @@ import jax
 import ml_collections
 import numpy as np
 
+from changecap_jax.data.streams import BEFORE, STREAMS, pair_streams
+
+# Re-exported: reproduce/run.py reads the (after-image, caption ids) table from here.
+from changecap_jax.data.streams import STREAM_KEYS as STREAM_KEYS
 from changecap_jax.data.synthetic.builder import DEFAULT_MAX_CAPTION_LEN
 from changecap_jax.data.vocab import END_ID, START_ID
 from changecap_jax.errors import UserError
-from changecap_jax.models.base import conditioning_shapes, pair_streams
+from changecap_jax.models.base import conditioning_shapes
 
-# Caption stream -> (after-image key, caption ids key), as the trainer's input pipeline names
-# them (data/pipeline.py TrainPairs).
-STREAM_KEYS = {
-    "semantic": ("after_semantic", "change_caption"),
-    "distractor": ("after_distractor", "no_change_caption"),
-}
 FIRST_WORD_ID = 4  # ids 0..3 are <NULL>, <UNK>, <START>, <END>
 LAYER3_GRID = (14, 14, 1024)  # ResNet-101 layer3: SCORER, DIRL, CHEERS, Subtraction
 LAYER4_GRID_HW = (7, 7)  # ResNet-101 layer4 (x 2048): IDC-PCL
@@ -91,6 +89,7 @@ def random_captions(rng: np.random.Generator, batch_size: int, length: int,
 
 
 def model_streams(model: Any) -> tuple[str, ...]:
+    """The caption streams of ``model``'s ``pairs`` field."""
     pairs = getattr(model, "pairs", None)
     if pairs is None:
         raise SyntheticInputError(f"{type(model).__name__} has no 'pairs' field: cannot tell "
@@ -109,11 +108,11 @@ def make_batch(model: Any, batch_size: int, feature_shape: tuple[int, int, int],
     def floats(*shape: int) -> np.ndarray:
         return rng.standard_normal((batch_size, *shape), dtype=np.float32)
 
-    batch = {"before": floats(*feature_shape)}
+    batch = {BEFORE: floats(*feature_shape)}
     for stream in model_streams(model):
-        after_key, caption_key = STREAM_KEYS[stream]
-        batch[after_key] = floats(*feature_shape)
-        batch[caption_key] = random_captions(rng, batch_size, caption_len, vocab_size)
+        batch[STREAMS[stream].after] = floats(*feature_shape)
+        batch[STREAMS[stream].caption] = random_captions(rng, batch_size, caption_len,
+                                                         vocab_size)
         for name, shape in conditioning_shapes(model).items():
             batch[f"{name}_{stream}"] = floats(*shape)
     return batch

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from changecap_jax.data.streams import make_caption_targets
 from changecap_jax.losses import barlow_correlation_loss, ccr_infonce_loss
 from changecap_jax.models.base import IGNORE_INDEX, ModelOutput
-from changecap_jax.models.dirl import DIRLCCR, make_caption_targets
+from changecap_jax.models.dirl import DIRLCCR
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     MultiheadAttention,

@@ -22,8 +22,8 @@ import scipy.special
 
 from changecap_jax import decoding, parallel, train
 from changecap_jax.data import pipeline
+from changecap_jax.data.streams import make_caption_targets
 from changecap_jax.models.base import ModelOutput
-from changecap_jax.models.dirl import make_caption_targets
 from changecap_jax.models.layers import sinusoid_table
 from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR, STREAMS
 from configs import scorer as scorer_config
@@ -212,6 +212,13 @@ def np_scorer_pair(params, before, after, ids, heads, *, sequential=False, mean_
     sim = 0.5 * (np_row_ce(scale * np_mtm(q1, k1)) + np_row_ce(scale * np_mtm(q2, k2)))
     memory = np.maximum(np_dense(np.concatenate([x1, x2], -1), enc["embed_fc_0"]), 0.0)
 
+    h, logits, valid = np_speaker(dec, memory, ids, heads)
+    loss_cbr = np_cbr(cbr, x1_0, x2_0, h, valid, heads, mean_by_length)
+    return {"memory": memory, "logits": logits, "sim": sim, "cbr": loss_cbr}
+
+
+def np_speaker(dec, memory, ids, heads):
+    """The Speaker decoder (§3.2): last layer output h, logits and the caption mask."""
     ids = np.asarray(ids)
     lt = ids.shape[1]
     valid = (np.arange(lt)[None] < (ids != 0).sum(1, keepdims=True)).astype(np.float64)
@@ -230,9 +237,12 @@ def np_scorer_pair(params, before, after, ids, heads, *, sequential=False, mean_
         g = np_dense(a2, d["hidden_intermediate"]["dense"])
         g = 0.5 * g * (1.0 + scipy.special.erf(g / np.sqrt(2.0)))  # exact GELU
         h = np_layer_norm(np_dense(g, d["output"]["dense"]) + g, d["output"]["LayerNorm"])
-    logits = np_dense(h, dec["logit"])
+    return h, np_dense(h, dec["logit"]), valid
 
-    # §3.3 CBR
+
+def np_cbr(cbr, x1_0, x2_0, h, valid, heads, mean_by_length):
+    """CBR's loss (§3.3) from X0_bef, X0_aft and the decoder output h."""
+    lt = h.shape[1]
     sent = (h * valid[..., None]).sum(1) / (valid.sum(1, keepdims=True) if mean_by_length else lt)
     x = np_dense(np.concatenate([x1_0, np.broadcast_to(sent[:, None], x1_0.shape)], -1),
                  cbr["conv1"])
@@ -243,8 +253,7 @@ def np_scorer_pair(params, before, after, ids, heads, *, sequential=False, mean_
     c = cbr["contra"]
     s_cbr = np.exp(c["logit_scale"]) * np_mtm(np_dense(hallucination, c["query"]),
                                               np_dense(x2_0, c["key"]))
-    loss_cbr = 0.5 * (np_row_ce(s_cbr) + np_row_ce(s_cbr.T))
-    return {"memory": memory, "logits": logits, "sim": sim, "cbr": loss_cbr}
+    return 0.5 * (np_row_ce(s_cbr) + np_row_ce(s_cbr.T))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from test_scorer_model import (
 
 from changecap_jax import parallel, train
 from changecap_jax.data import pipeline
-from changecap_jax.models.dirl import make_caption_targets
+from changecap_jax.data.streams import make_caption_targets
 from changecap_jax.models.subtraction import Subtraction
 from configs import subtraction as subtraction_config
 

@@ -37,10 +37,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grain
+import jax
 import numpy as np
+from absl import flags
+
+from changecap_jax.data.streams import BEFORE, STREAMS
 
 # Fields that stay on the host (strings, reference lists); everything else goes to devices.
-HOST_FIELDS = ("image_id", "change_captions", "no_change_captions")
+HOST_FIELDS = ("image_id", *(s.references for s in STREAMS.values()))
 STATE_FORMAT = "changecap_jax.train_batches/1"  # the training iterator's checkpointed state
 # Keys of the loader description a checkpointed state must match to be resumed.
 ORDER_KEYS = ("records", "local_batch", "seed", "process_index", "process_count")
@@ -90,8 +94,6 @@ def _stream(batches: grain.MapDataset, read: ReadAhead) -> grain.DatasetIterator
     ds = batches.to_iter_dataset(grain.ReadOptions(num_threads=read.threads,
                                                    prefetch_buffer_size=read.prefetch))
     if read.workers:
-        from absl import flags
-
         if not flags.FLAGS.is_parsed():
             # grain's workers read its absl flags; outside an absl app (tests, notebooks,
             # scripts) they keep their defaults.
@@ -121,26 +123,26 @@ class TrainPairs(grain.transforms.RandomMap):
         self.pair_fields = tuple(pair_fields)
 
     def random_map(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        captions = record["change_caption_ids"]
+        # The rng draws stay in this order (semantic caption, swap, distractor caption): a
+        # seed gives the batches it always gave.
+        semantic, distractor = STREAMS["semantic"], STREAMS["distractor"]
+        captions = record[semantic.record_captions]
         out = {
             "id": np.int32(record["id"]),
             "change_type": np.int32(record["change_type"]),
-            "before": record["before"],
-            "after_semantic": record["after_semantic"],
-            "change_caption": captions[rng.integers(len(captions))],
+            BEFORE: record[BEFORE],
+            semantic.after: record[semantic.after],
+            semantic.caption: captions[rng.integers(len(captions))],
         }
         out.update({f"{f}_semantic": record[f"{f}_semantic"] for f in self.pair_fields})
-        if "after_distractor" in record:
-            before, distractor = record["before"], record["after_distractor"]
+        if distractor.after in record:
+            before, after = record[BEFORE], record[distractor.after]
             swapped = rng.random() < self.swap_prob
             if swapped:
-                before, distractor = distractor, before
-            no_change = record["no_change_caption_ids"]
-            out.update(
-                before=before,
-                after_distractor=distractor,
-                no_change_caption=no_change[rng.integers(len(no_change))],
-            )
+                before, after = after, before
+            no_change = record[distractor.record_captions]
+            out.update({BEFORE: before, distractor.after: after,
+                        distractor.caption: no_change[rng.integers(len(no_change))]})
             orientation = "distractor_swapped" if swapped else "distractor"
             out.update({f"{f}_distractor": record[f"{f}_{orientation}"]
                         for f in self.pair_fields})
@@ -374,8 +376,6 @@ def to_global(batch: dict[str, np.ndarray], sharding: Any,
     limits the transfer to those keys (evaluation sends only the images and the mask: other
     numeric fields, such as a record's reference ids, may differ in shape between processes).
     """
-    import jax
-
     arrays = device_fields(batch)
     if fields is not None:
         missing = [f for f in fields if f not in arrays]

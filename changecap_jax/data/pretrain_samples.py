@@ -26,13 +26,9 @@ import grain
 import numpy as np
 
 from changecap_jax.data.negatives import NegativesFileError
+from changecap_jax.data.streams import BEFORE, STREAMS
 from changecap_jax.data.vocab import Vocabulary
 
-# stream -> (after-image field, caption-ids field, semantic?)
-STREAMS = {
-    "semantic": ("after_semantic", "change_caption_ids", True),
-    "distractor": ("after_distractor", "no_change_caption_ids", False),
-}
 NegativesByPair = Mapping[tuple[str, "bool | None"], Sequence[str]]
 
 
@@ -68,11 +64,12 @@ class PairSamples:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         record = self._source[index // len(self.streams)]
-        after, captions, semantic = STREAMS[self.streams[index % len(self.streams)]]
-        sample = {"img1": record["before"], "img2": record[after],
-                  "captions": np.asarray(record[captions]), "image_id": _text(record["image_id"])}
+        stream = STREAMS[self.streams[index % len(self.streams)]]
+        sample = {"img1": record[BEFORE], "img2": record[stream.after],
+                  "captions": np.asarray(record[stream.record_captions]),
+                  "image_id": _text(record["image_id"])}
         if self._negatives is not None:
-            sample["negatives"] = self._encode(sample["image_id"], semantic,
+            sample["negatives"] = self._encode(sample["image_id"], stream.semantic,
                                                sample["captions"].shape[-1])
         return sample
 

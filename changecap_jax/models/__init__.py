@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import ml_collections
 
-from changecap_jax.models.cheers import CHEERS
-from changecap_jax.models.dirl import DIRLCCR
-from changecap_jax.models.idc_pcl import IDCPCL
-from changecap_jax.models.scorer import SCORERCBR
-from changecap_jax.models.subtraction import Subtraction
+from changecap_jax.models import cheers, dirl, idc_pcl, scorer, subtraction
 
+# Every class here satisfies models/contract.py (tests/test_model_contract.py checks it).
 MODELS = {
-    "dirl": DIRLCCR, "scorer": SCORERCBR, "subtraction": Subtraction, "cheers": CHEERS,
-    "idc_pcl": IDCPCL,
+    "dirl": dirl.DIRLCCR, "scorer": scorer.SCORERCBR, "subtraction": subtraction.Subtraction,
+    "cheers": cheers.CHEERS, "idc_pcl": idc_pcl.IDCPCL,
 }
 
 

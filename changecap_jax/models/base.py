@@ -1,4 +1,5 @@
-"""What every model on the trunk returns to the trainer.
+"""What every model on the trunk returns to the trainer (the full contract, what the trunk may
+call on a model, is ``models/contract.py``; docs/model_contract.md).
 
 A model is a Flax module whose ``__call__(batch, *, train, axis_name=None)`` returns a
 :class:`ModelOutput`. The trainer turns each caption stream into a cross-entropy averaged over
@@ -36,8 +37,10 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 
-# The caption loss owns the ignored target id; models build targets with it from here.
-from changecap_jax.losses import IGNORE_INDEX  # noqa: F401
+# Re-exported: the caption-stream conventions live in the data layer (data/streams.py), which
+# both the input pipeline and the models import.
+from changecap_jax.data.streams import IGNORE_INDEX as IGNORE_INDEX
+from changecap_jax.data.streams import pair_streams as pair_streams
 
 ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
 MEMORY_LAYOUTS = ("shared_grid", "before_after")
@@ -95,8 +98,3 @@ def conditioning_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     takes them as keyword arguments. Most models read none.
     """
     return dict(getattr(model, "conditioning_shapes", None) or {})
-
-
-def pair_streams(pairs: str) -> tuple[str, ...]:
-    """The caption streams a model trains on: both pairs, or the semantic pair only."""
-    return ("semantic", "distractor") if pairs == "both" else ("semantic",)

@@ -76,13 +76,16 @@ import jax
 import jax.numpy as jnp
 
 from changecap_jax import losses
-from changecap_jax.models.base import ModelOutput, pair_streams
-from changecap_jax.models.dirl import caption_mask, make_caption_targets
+from changecap_jax.data import streams
+from changecap_jax.models import contract
+from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.decoder import cached_step, check_decode_length, teacher_forced_words
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     MultiheadAttention,
     TorchDense,
+    embed_grid,
     grid_input,
     make_attention_mask,
     model_input,
@@ -94,11 +97,6 @@ Array = jax.Array
 
 MODES = ("common", "difference")
 GATE_ACTIVATIONS = ("sigmoid", "softmax", "identity")
-PAIRS = ("both", "semantic_only")
-STREAMS = {
-    "semantic": ("after_semantic", "change_caption"),
-    "distractor": ("after_distractor", "no_change_caption"),
-}
 
 
 def cosine_similarity(a: Array, b: Array, eps: float = 1e-8) -> Array:
@@ -297,7 +295,7 @@ class GatedDecoderLayer(nn.Module):
         return self._fuse(h1, h_vis, h_text, True)
 
 
-class CHEERS(nn.Module):
+class CHEERS(contract.TrunkModel, nn.Module):
     """The full model: grid embedding, entity projection, HRD layers, fusion, gated decoder.
 
     The input feature width and grid size come from the batch; the entities' count and width
@@ -306,6 +304,7 @@ class CHEERS(nn.Module):
 
     # Decoder memory slot n is grid cell n of both images (F_diff fuses them per position).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     vocab_size: int
     max_len: int
@@ -334,8 +333,7 @@ class CHEERS(nn.Module):
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
-        if self.pairs not in PAIRS:
-            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        streams.check_pairs(self.pairs)
         if self.entity_consistency and not (self.use_cre and self.use_dre):
             raise ValueError("entity_consistency compares the image CRE and DRE maps with the "
                              "entity ones (Eq. 7, 11): it needs use_cre=True and use_dre=True")
@@ -363,10 +361,6 @@ class CHEERS(nn.Module):
         self.dropout = Dropout(self.dropout_rate)
 
     @property
-    def streams(self) -> tuple[str, ...]:
-        return pair_streams(self.pairs)
-
-    @property
     def reads_entities(self) -> bool:
         return self.entity_consistency or self.use_gate
 
@@ -378,10 +372,7 @@ class CHEERS(nn.Module):
     # ---- encoder ----------------------------------------------------------------------------
 
     def _embed_grid(self, grid: Array) -> Array:
-        x = grid_input(grid, self.use_coordinates)
-        b, h, w, _ = x.shape
-        x = self.img(x) + self.pos_embedding(h, w)[None]
-        return x.reshape(b, h * w, self.hidden_dim)
+        return embed_grid(self.img, self.pos_embedding, grid_input(grid, self.use_coordinates))
 
     def _entities(self, entities: Array | None) -> Array | None:
         if not self.reads_entities:
@@ -414,37 +405,29 @@ class CHEERS(nn.Module):
 
     # ---- decoder ----------------------------------------------------------------------------
 
-    def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
+    def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         words = self.embed(ids)
         x = self.word_fc(words + pe.astype(words.dtype))
         return self.dropout(x, deterministic=deterministic)
 
     def _decode(self, memory: tuple[Array, Array | None], ids: Array, *, train: bool) -> Array:
         visual, entities = memory
-        lt = ids.shape[1]
-        if lt > self.max_len:
-            raise ValueError(f"caption length {lt} exceeds max_len {self.max_len} (PE rows)")
-        h = self._words(ids, jnp.asarray(self.pe[:lt])[None], not train)
-        self_mask = make_attention_mask(lt, caption_mask(ids), causal=True)
+        h = teacher_forced_words(self, ids, not train)
+        self_mask = make_attention_mask(ids.shape[1], streams.caption_mask(ids), causal=True)
         for layer in self.layer:
             h = layer(h, visual, entities, self_mask, deterministic=not train)
         return self.logit(h)
 
     def __call__(self, batch: dict[str, Array], *, train: bool,
                  axis_name: str | None = None) -> ModelOutput:
-        missing = [k for k in ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
-                   if k not in batch]
-        if missing:
-            raise KeyError(f"CHEERS batch is missing {missing}; it has {sorted(batch)}")
+        streams.validate_batch(batch, self.streams, model="CHEERS", check_ranks=False)
         logits, targets, aux = {}, {}, []
-        for stream in self.streams:
-            after_key, caption_key = STREAMS[stream]
-            ids = jnp.asarray(batch[caption_key], jnp.int32)
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
             memory, stream_aux = self._encode(
-                batch["before"], batch[after_key], batch.get(f"entities_{stream}"),
+                batch["before"], after, batch.get(f"entities_{stream}"),
                 train=train, axis_name=axis_name)
             logits[stream] = self._decode(memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             aux.append(stream_aux)
         mean_aux = {k: sum(a[k] for a in aux) / len(aux) for k in aux[0]}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=mean_aux)
@@ -457,18 +440,13 @@ class CHEERS(nn.Module):
         return self._encode(before, after, entities, train=train)[0]
 
     def init_cache(self, memory: tuple[Array, Array | None], max_len: int) -> None:
-        if max_len > self.max_len:
-            raise ValueError(f"decode length {max_len} exceeds max_len {self.max_len} (PE rows)")
+        check_decode_length(max_len, self.max_len)
         visual, entities = memory
         for layer in self.layer:
             layer.init_cache(visual, entities, max_len)
 
     def decode_step(self, token: Array, index: Array) -> Array:
-        pe = jnp.asarray(self.pe)[index][None, None]
-        h = self._words(jnp.asarray(token, jnp.int32)[:, None], pe, True)
-        for layer in self.layer:
-            h = layer.step(h, index)
-        return self.logit(h[:, 0])
+        return cached_step(self, jnp.asarray(token, jnp.int32), index)
 
     def decode(self, memory: tuple[Array, Array | None], ids: Array, *,
                train: bool = False) -> Array:

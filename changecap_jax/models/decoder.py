@@ -22,18 +22,27 @@ transposed, LayerNorm weight -> scale) are in the key table of SCORER's converte
 Incremental decoding (:meth:`Speaker.init_cache` / :meth:`Speaker.step`) keeps per-layer
 self-attention keys/values and the cross-attention keys/values of the memory in the 'cache'
 collection; it equals rerunning the whole decoder on the growing prefix (§3.7).
+
+The functions :func:`teacher_forced_words`, :func:`init_layer_caches` and :func:`cached_step`
+serve every caption decoder of the models (Speaker, DIRL's CCR decoder, CHEERS's gated
+decoder) that has the layout :class:`TextDecoder` describes: word inputs from
+``embed_words(ids, pe, deterministic)``, a fixed sinusoid table ``pe``, a list of layers
+``layer`` with ``init_cache`` / ``step`` and the output projection ``logit``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from changecap_jax.data.streams import caption_mask
 from changecap_jax.models.base import ATTENTION
-from changecap_jax.models.dirl import caption_mask
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
 
@@ -41,6 +50,48 @@ Array = jax.Array
 
 MASK_VALUE = -10000.0  # additive mask value of the official attention (S-Q6)
 speaker_init: Initializer = nn.initializers.normal(stddev=0.02)  # §3.5 init_weights
+
+
+class TextDecoder(Protocol):
+    """The layout the shared decoder functions below rely on (module docstring)."""
+
+    max_len: int
+    pe: np.ndarray  # (max_len, word_dim) fixed sinusoid table
+    layer: Sequence[Any]  # decoder layers with init_cache(memory, max_len) and step(h, index)
+
+    def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array: ...
+
+    def logit(self, h: Array) -> Array: ...
+
+
+def teacher_forced_words(decoder: TextDecoder, ids: Array, deterministic: bool) -> Array:
+    """The decoder's word inputs for ids (B, Lt), position p getting PE row p."""
+    lt = ids.shape[1]
+    if lt > decoder.max_len:
+        raise ValueError(f"caption length {lt} exceeds max_len {decoder.max_len} (PE rows)")
+    return decoder.embed_words(ids, jnp.asarray(decoder.pe[:lt])[None], deterministic)
+
+
+def check_decode_length(max_len: int, limit: int) -> None:
+    """Decoding ``max_len`` positions needs that many PE rows."""
+    if max_len > limit:
+        raise ValueError(f"decode length {max_len} exceeds max_len {limit} (PE rows)")
+
+
+def init_layer_caches(decoder: TextDecoder, memory: Any, max_len: int) -> None:
+    """Creates every layer's 'cache' entries for decoding ``max_len`` positions on ``memory``."""
+    check_decode_length(max_len, decoder.max_len)
+    for layer in decoder.layer:
+        layer.init_cache(memory, max_len)
+
+
+def cached_step(decoder: TextDecoder, token: Array, index: Array) -> Array:
+    """token (B,) int32 at position ``index`` -> next-token logits (B, V); eval mode."""
+    pe = jnp.asarray(decoder.pe)[index][None, None]
+    h = decoder.embed_words(token[:, None], pe, True)
+    for layer in decoder.layer:
+        h = layer.step(h, index)
+    return decoder.logit(h[:, 0])
 
 
 def multi_head_attend(
@@ -236,7 +287,7 @@ class Speaker(nn.Module):
         ]
         self.logit = TorchDense(self.vocab_size, kernel_init=speaker_init, bias_init="zeros")
 
-    def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
+    def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         """``fc``(embed(ids) + pe): Linear -> Dropout -> LayerNorm."""
         words = self.embed(ids)
         x = self.dropout(self.fc_0(words + pe.astype(words.dtype)), deterministic=deterministic)
@@ -246,25 +297,51 @@ class Speaker(nn.Module):
         """Teacher-forced pass: ids (B, Lt) (START at 0) -> (logits (B, Lt, V), the last layer's
         output (B, Lt, hidden), which is CBR's sentence input)."""
         deterministic = not train
-        lt = ids.shape[1]
-        if lt > self.max_len:
-            raise ValueError(f"caption length {lt} exceeds max_len {self.max_len} (PE rows)")
-        h = self._words(ids, jnp.asarray(self.pe[:lt])[None], deterministic)
+        h = teacher_forced_words(self, ids, deterministic)
         self_mask = speaker_self_mask(ids)
         for layer in self.layer:
             h = layer(h, memory, self_mask, deterministic=deterministic)
         return self.logit(h), h
 
     def init_cache(self, memory: Array, max_len: int) -> None:
-        if max_len > self.max_len:
-            raise ValueError(f"decode length {max_len} exceeds max_len {self.max_len} (PE rows)")
-        for layer in self.layer:
-            layer.init_cache(memory, max_len)
+        init_layer_caches(self, memory, max_len)
 
     def step(self, token: Array, index: Array) -> Array:
         """token (B,) at position ``index`` -> next-token logits (B, V); eval mode."""
-        pe = jnp.asarray(self.pe)[index][None, None]
-        h = self._words(token[:, None], pe, True)
-        for layer in self.layer:
-            h = layer.step(h, index)
-        return self.logit(h[:, 0])
+        return cached_step(self, token, index)
+
+
+class DelegatedDecoding(nn.Module):
+    """``init_cache``, ``decode_step`` and ``decode`` of a model whose submodule ``decoder``
+    (a Speaker or DIRL's CCR decoder) does the decoding: ``decoder.init_cache(memory, max_len)``,
+    ``decoder.step(token, index)`` and ``decoder(memory, ids, train=...)[0]`` (the logits).
+    The model defines ``encode`` itself (changecap_jax/decoding.py)."""
+
+    def init_cache(self, memory: Array, max_len: int) -> None:
+        """Create the 'cache' collection: per layer, zeroed self-attention keys/values for
+        ``max_len`` positions and the cross-attention keys/values of ``memory``."""
+        self.decoder.init_cache(memory, max_len)
+
+    def decode_step(self, token: Array, index: Array) -> Array:
+        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
+        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
+
+    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
+        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
+        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]
+
+
+def speaker_for(model: Any) -> Speaker:
+    """The Speaker of a model with SCORER's decoder fields (``vocab_size``, ``max_len``,
+    ``hidden_dim``, ``num_heads``, ``decoder_layers``, ``word_dim``, ``dropout_rate``,
+    ``layer_norm_eps``); call it in the model's ``setup``."""
+    return Speaker(
+        vocab_size=model.vocab_size,
+        max_len=model.max_len,
+        hidden_dim=model.hidden_dim,
+        num_heads=model.num_heads,
+        num_layers=model.decoder_layers,
+        word_dim=model.word_dim,
+        dropout_rate=model.dropout_rate,
+        layer_norm_eps=model.layer_norm_eps,
+    )

@@ -59,13 +59,22 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.models.base import IGNORE_INDEX, ModelOutput, pair_streams
+from changecap_jax.data import streams
+from changecap_jax.models import contract
+from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.decoder import (
+    DelegatedDecoding,
+    cached_step,
+    init_layer_caches,
+    teacher_forced_words,
+)
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     GridPositionEmbedding,
     Initializer,
     MultiheadAttention,
     TorchDense,
+    embed_grid,
     grid_input,
     make_attention_mask,
     normal_zero_pad_init,
@@ -78,27 +87,8 @@ from changecap_jax.models.layers import (
 Array = jax.Array
 
 VARIANTS = ("clevr_change", "clevr_dc")
-PAIRS = ("both", "semantic_only")
-# stream name -> (after-image key, caption key); the "before" image is shared (§2.5).
-STREAMS = {
-    "semantic": ("after_semantic", "change_caption"),
-    "distractor": ("after_distractor", "no_change_caption"),
-}
-
-
-def caption_mask(ids: Array) -> Array:
-    """§2.5 item 5: True for the first k positions, k = number of non-zero ids in the row."""
-    length = jnp.sum(ids != 0, axis=-1, keepdims=True)
-    return jnp.arange(ids.shape[-1])[None, :] < length
-
-
-def make_caption_targets(ids: Array) -> Array:
-    """§2.5 item 6: target[t] = ids[t + 1] while position t + 1 is inside the mask, else
-    IGNORE_INDEX; the last position is always IGNORE_INDEX (so END as input gets no target)."""
-    mask = caption_mask(ids)
-    shifted = jnp.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
-    pad = jnp.full((ids.shape[0], 1), IGNORE_INDEX, dtype=shifted.dtype)
-    return jnp.concatenate([shifted, pad], axis=1).astype(jnp.int32)
+# The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
+STREAMS = streams.STREAM_KEYS
 
 
 class EncoderOutput(NamedTuple):
@@ -162,9 +152,7 @@ class DIRLEncoder(nn.Module):
 
     def embed(self, grid: Array) -> Array:
         """(B, H, W, C) -> X0 (B, H*W, hidden), token t = i*W + j (§3.1 steps 1-3)."""
-        b, h, w, _ = grid.shape
-        x = self.img(grid) + self.pos_embedding(h, w)[None]
-        return x.reshape(b, h * w, self.hidden_dim)
+        return embed_grid(self.img, self.pos_embedding, grid)
 
     def mlp(self, x: Array, *, deterministic: bool = True) -> Array:
         """torch ``mlp``: Linear -> ReLU -> Dropout -> Linear; feeds only the DIRL loss."""
@@ -315,7 +303,7 @@ class CCRDecoder(nn.Module):
             x = self.embed_fc_1(x)
         return nn.relu(self.dropout(x, deterministic=deterministic))
 
-    def _words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
+    def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         """``fc``(embed(ids) + pe): Linear [-> LN] -> Dropout."""
         words = self.embed(ids)
         x = self.fc_0(words + pe.astype(words.dtype))  # the PE table is float32
@@ -326,11 +314,8 @@ class CCRDecoder(nn.Module):
     def __call__(self, memory: Array, ids: Array, *, train: bool) -> tuple[Array, Array, Array]:
         """Teacher-forced pass: ids (B, Lt) -> logits (B, Lt, V) and the last layer's (t, v)."""
         deterministic = not train
-        lt = ids.shape[1]
-        if lt > self.max_len:
-            raise ValueError(f"caption length {lt} exceeds max_len {self.max_len} (PE rows)")
-        h = self._words(ids, jnp.asarray(self.pe[:lt])[None], deterministic)
-        self_mask = make_attention_mask(lt, caption_mask(ids), causal=True)
+        h = teacher_forced_words(self, ids, deterministic)
+        self_mask = make_attention_mask(ids.shape[1], streams.caption_mask(ids), causal=True)
         t = v = None
         for layer in self.layer:
             # Only the last layer's (t, v) enter the CCR loss (§4.2, D-Q6).
@@ -338,18 +323,11 @@ class CCRDecoder(nn.Module):
         return self.logit(h), t, v
 
     def init_cache(self, memory: Array, max_len: int) -> None:
-        if max_len > self.max_len:
-            raise ValueError(f"decode length {max_len} exceeds max_len {self.max_len} (PE rows)")
-        for layer in self.layer:
-            layer.init_cache(memory, max_len)
+        init_layer_caches(self, memory, max_len)
 
     def step(self, token: Array, index: Array) -> Array:
         """token (B,) at position ``index`` -> next-token logits (B, V); eval mode."""
-        pe = jnp.asarray(self.pe)[index][None, None]
-        h = self._words(token[:, None], pe, True)
-        for layer in self.layer:
-            h = layer.step(h, index)
-        return self.logit(h[:, 0])
+        return cached_step(self, token, index)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,18 +335,7 @@ class CCRDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_batch(batch: dict[str, Array], keys: tuple[str, ...]) -> None:
-    for key in keys:
-        if key not in batch:
-            raise KeyError(f"DIRLCCR batch is missing {key!r}; it has {sorted(batch)}")
-        want = 2 if key.endswith("caption") else 4
-        shape = batch[key].shape
-        if len(shape) != want:
-            layout = "(B, L) int ids" if want == 2 else "(B, H, W, C) channels-last features"
-            raise ValueError(f"DIRLCCR batch[{key!r}] must be {layout}, got shape {shape}")
-
-
-class DIRLCCR(nn.Module):
+class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     """DIRL encoder + CCR decoder; every hyperparameter is a field (defaults = the paper).
 
     The input feature width (1024 + 2 coordinates on CLEVR-Change) and the grid size are read
@@ -378,6 +345,7 @@ class DIRLCCR(nn.Module):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     vocab_size: int
     max_len: int
@@ -396,8 +364,7 @@ class DIRLCCR(nn.Module):
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
-        if self.pairs not in PAIRS:
-            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        streams.check_pairs(self.pairs)
         self.encoder = DIRLEncoder(
             hidden_dim=self.hidden_dim,
             num_heads=self.num_heads,
@@ -419,24 +386,17 @@ class DIRLCCR(nn.Module):
             layer_norm_eps=self.layer_norm_eps,
         )
 
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return pair_streams(self.pairs)
-
     def _features(self, x: Array) -> Array:
         return grid_input(x, self.use_coordinates)
 
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
-        keys = ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
-        _check_batch(batch, keys)
+        streams.validate_batch(batch, self.streams, model="DIRLCCR")
         before = self._features(batch["before"])
         logits, targets, dirl, ccr = {}, {}, [], []
-        for stream in self.streams:
-            after_key, caption_key = STREAMS[stream]
-            ids = jnp.asarray(batch[caption_key], jnp.int32)
-            enc = self.encoder(before, self._features(batch[after_key]), train=train)
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
+            enc = self.encoder(before, self._features(after), train=train)
             dirl.append(
                 losses.barlow_correlation_loss(
                     enc.mlp_before,
@@ -447,13 +407,13 @@ class DIRLCCR(nn.Module):
             )
             memory = self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
             logits[stream], t, v = self.decoder(memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             ccr.append(losses.ccr_infonce_loss(t, v, axis_name=axis_name))
         # Equal-weight mean of the pairs: 0.5/0.5 on CLEVR-Change, the single pair on DC (§4.3).
         aux = {"dirl": sum(dirl) / len(dirl), "ccr": sum(ccr) / len(ccr)}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
@@ -461,16 +421,3 @@ class DIRLCCR(nn.Module):
             self._features(before), self._features(after), train=train, with_mlp=False
         )
         return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
-        (B, max_len, H, E/H) and the cross-attention keys/values of ``memory``."""
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]

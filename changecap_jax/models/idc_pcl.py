@@ -89,13 +89,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.models.base import (
-    ATTENTION,
-    IGNORE_INDEX,
-    DecodingRules,
-    ModelOutput,
-    pair_streams,
-)
+from changecap_jax.data import streams
+from changecap_jax.models import contract
+from changecap_jax.models.base import ATTENTION, DecodingRules, ModelOutput
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     Initializer,
@@ -110,10 +106,10 @@ STAGES = ("pretrain", "finetune")
 LOSS_REDUCTIONS = ("sum", "mean")
 BOS_ID = 1  # the official dict.json layout (I-Q8)
 MASK_ID = 5
-STREAMS = {  # caption stream -> (after-image field, caption field, distractor label)
-    "semantic": ("after_semantic", "change_caption", 1),
-    "distractor": ("after_distractor", "no_change_caption", 0),
-}
+# caption stream -> (after-image field, caption field, distractor label), from data/streams.py;
+# convert/mapping.py reads it for its example batch.
+STREAMS = {s.name: (s.after, s.caption, s.distractor_label)
+           for s in streams.STREAMS.values()}
 TYPE_CLS1, TYPE_IMG1, TYPE_CLS2, TYPE_IMG2, TYPE_CLS3, TYPE_TEXT = 1, 2, 3, 4, 5, 6
 NUM_TYPES = 7
 PE_LEN = 200  # rows of the official sinusoid buffer
@@ -414,7 +410,7 @@ def mask_caption(
     random_ids = jax.random.randint(k_rand, (length,), 0, num_tokens, jnp.int32)
     replaced = jnp.where(kind < 0.8, mask_id, jnp.where(kind < 0.9, random_ids, ids))
     masked = jnp.where(chosen, replaced, ids)
-    labels = jnp.where(chosen, ids, IGNORE_INDEX)
+    labels = jnp.where(chosen, ids, streams.IGNORE_INDEX)
     eos_masked = (pos == eos_pos) & (jax.random.uniform(k_eos) < eos_probability)
     masked = jnp.where(eos_masked, mask_id, masked)
     labels = jnp.where(eos_masked, eos_id, labels)
@@ -431,7 +427,7 @@ def finetune_mask(n_img: int, n_text: int) -> Array:
     return (key_is_img | (causal & ~query_is_img))[None]
 
 
-class IDCPCL(nn.Module):
+class IDCPCL(contract.TrunkModel, nn.Module):
     """The §5.2 model. ``stage="pretrain"`` has ``feat_regress`` and the 3d -> 2 pooler (unused
     by the CLEVR tasks), ``"finetune"`` the 2d -> 2 distractor pooler. :meth:`pretrain` and
     :meth:`finetune` are the stages' forwards on arrays; ``__call__`` is the trunk's fine-tuning
@@ -439,6 +435,7 @@ class IDCPCL(nn.Module):
 
     # Sown attention keys are reordered to [img1, img2, CLS1, CLS2] (module docstring).
     MEMORY_LAYOUT: ClassVar[str] = "before_after"
+    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CLASSIFY_DISTRACTOR})
 
     vocab_size: int  # words of the vocabulary; [MASK] / [CLS] rows are added when their id is None
     max_len: int = 40  # caption ids per row (the trunk passes the dataset's)
@@ -498,10 +495,6 @@ class IDCPCL(nn.Module):
     def decoding_rules(self) -> DecodingRules:
         return DecodingRules(start_id=self.bos_id, end_id=self.eos_id, banned_ids=(),
                              stop_at_end=self.stop_at_eos)
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return pair_streams(self.pairs)
 
     def setup(self) -> None:
         if self.stage not in STAGES:
@@ -677,17 +670,16 @@ class IDCPCL(nn.Module):
         if self.stage != "finetune":
             raise ValueError("the trunk trains stage='finetune'; pretraining has its own step "
                              "(changecap_jax.pretrain)")
-        missing = [k for k in ("before", *(k for s in self.streams for k in STREAMS[s][:2]))
-                   if k not in batch]
-        if missing:
-            raise KeyError(f"IDC-PCL batch is missing {missing}; it has {sorted(batch)}")
+        # Images may be (B, H, W, C) grids or (B, N, C) tokens: no rank check.
+        streams.validate_batch(batch, self.streams, model="IDC-PCL", check_ranks=False)
         local_b = batch["before"].shape[0]
         masked = self.masked_captions(batch, axis_name=axis_name)
         logits, targets, distractor_ce = {}, {}, []
         for stream in self.streams:
-            after_key, _, label = STREAMS[stream]
             ids, labels = masked[stream]
-            out = self.finetune(batch["before"], batch[after_key], ids, train=train)
+            out = self.finetune(batch["before"], batch[streams.STREAMS[stream].after], ids,
+                                train=train)
+            label = streams.STREAMS[stream].distractor_label
             logits[stream], targets[stream] = out.mlm_logits, labels
             ce, _ = token_cross_entropy(out.distractor_logits,
                                         jnp.full((local_b,), label, jnp.int32))
@@ -721,8 +713,8 @@ class IDCPCL(nn.Module):
         for n, stream in enumerate(self.streams):
             keys = jax.vmap(lambda i, n=n: jax.random.fold_in(jax.random.fold_in(key, n), i))(
                 example)
-            masked[stream] = jax.vmap(mask)(keys, jnp.asarray(batch[STREAMS[stream][1]],
-                                                                jnp.int32))
+            masked[stream] = jax.vmap(mask)(
+                keys, jnp.asarray(batch[streams.STREAMS[stream].caption], jnp.int32))
         return masked
 
     # ---- decoding protocol (changecap_jax/decoding.py; §5.5) ---------------------------------

@@ -13,7 +13,8 @@ state_dict gives the same numbers:
   additive ``-inf`` masks, independent attention-dropout masks and a key/value cache for
   incremental decoding;
 * :func:`add_spatial_coordinates` - AddSpatialInfo (§2.3);
-* :class:`GridPositionEmbedding` - the learned 2-D grid position embedding (§3.1 step 2);
+* :class:`GridPositionEmbedding` - the learned 2-D grid position embedding (§3.1 step 2),
+  and :func:`embed_grid`, a grid's projected tokens with it added;
 * :func:`sinusoid_table` - the fixed sinusoid position table of the caption decoders (§3.2).
 
 Conversion of ``nn.MultiheadAttention`` weights (§1.1): ``in_proj_weight`` (3E, E) stacks
@@ -302,6 +303,20 @@ class GridPositionEmbedding(nn.Module):
         w_part = jnp.broadcast_to(w_emb[None, :, :], (height, width, half))
         h_part = jnp.broadcast_to(h_emb[:, None, :], (height, width, half))
         return jnp.concatenate([w_part, h_part], axis=-1)
+
+
+def grid_position_embedding(dim: int) -> GridPositionEmbedding:
+    """SCORER's ``w_embedding`` / ``h_embedding``: ``nn.Embedding`` default init N(0, 1)
+    (docs/official/scorer.md §3.5); DIRL and CHEERS keep the xavier default."""
+    return GridPositionEmbedding(dim, embedding_init=nn.initializers.normal(stddev=1.0))
+
+
+def embed_grid(img: nn.Module, pos_embedding: nn.Module, grid: Array) -> Array:
+    """(B, H, W, C) -> 1x1 projection ``img`` + grid PE -> tokens (B, H*W, D), token
+    t = i*W + j (SCORER paper Eq. 1; docs/official/scorer.md §3.1 steps 1-3)."""
+    b, h, w, _ = grid.shape
+    x = img(grid) + pos_embedding(h, w)[None]
+    return x.reshape(b, h * w, x.shape[-1])
 
 
 def sinusoid_table(length: int, dim: int) -> np.ndarray:

@@ -61,53 +61,26 @@ import jax.numpy as jnp
 # Module import (attributes read at call time): losses imports models.base, whose package
 # __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
-from changecap_jax.models.base import ModelOutput, pair_streams
-from changecap_jax.models.decoder import Speaker, multi_head_attend
-from changecap_jax.models.dirl import caption_mask, make_caption_targets
+from changecap_jax.data import streams
+from changecap_jax.models import contract
+from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.decoder import DelegatedDecoding, multi_head_attend, speaker_for
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
-    GridPositionEmbedding,
     TorchDense,
+    embed_grid,
     grid_input,
+    grid_position_embedding,
     in_proj_xavier_uniform,
     torch_layer_norm,
 )
 
 Array = jax.Array
 
-PAIRS = ("both", "semantic_only")
-# stream name -> (after-image key, caption key); the "before" image is shared (§2.5).
-STREAMS = {
-    "semantic": ("after_semantic", "change_caption"),
-    "distractor": ("after_distractor", "no_change_caption"),
-}
+# The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
+STREAMS = streams.STREAM_KEYS
 LOGIT_SCALE_MAX = math.log(100.0)  # §3.4: exp(logit_scale) <= 100
 LOGIT_SCALE_INIT = 1.0  # §3.5: torch.ones([]), i.e. a multiplier of e
-
-
-def check_batch(batch: dict[str, Array], keys: tuple[str, ...], model: str) -> None:
-    """Clear errors for a missing key or a wrongly shaped field."""
-    for key in keys:
-        if key not in batch:
-            raise KeyError(f"{model} batch is missing {key!r}; it has {sorted(batch)}")
-        want = 2 if key.endswith("caption") else 4
-        shape = batch[key].shape
-        if len(shape) != want:
-            layout = "(B, L) int ids" if want == 2 else "(B, H, W, C) channels-last features"
-            raise ValueError(f"{model} batch[{key!r}] must be {layout}, got shape {shape}")
-
-
-def embed_grid(img: nn.Module, pos_embedding: nn.Module, grid: Array) -> Array:
-    """Paper Eq. 1 (§3.1 steps 1-3): (B, H, W, C) -> 1x1 projection + grid PE -> tokens
-    (B, H*W, D), token t = i*W + j."""
-    b, h, w, _ = grid.shape
-    x = img(grid) + pos_embedding(h, w)[None]
-    return x.reshape(b, h * w, x.shape[-1])
-
-
-def grid_position_embedding(dim: int) -> GridPositionEmbedding:
-    """torch ``w_embedding`` / ``h_embedding``: ``nn.Embedding`` default init N(0, 1) (§3.5)."""
-    return GridPositionEmbedding(dim, embedding_init=nn.initializers.normal(stddev=1.0))
 
 
 def _scalar_init(value: float) -> Any:
@@ -332,7 +305,7 @@ def clamp_params(params: Any, paths: list[tuple[str, ...]], maximum: float) -> A
     return params
 
 
-class SCORERCBR(nn.Module):
+class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
     """SCORER encoder + Speaker decoder + CBR; every hyperparameter is a field (defaults = the
     official CLEVR-Change config, transformer.yaml).
 
@@ -354,6 +327,7 @@ class SCORERCBR(nn.Module):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
+    capabilities: ClassVar[frozenset[str]] = frozenset({contract.POST_UPDATE})
 
     vocab_size: int
     max_len: int
@@ -379,8 +353,7 @@ class SCORERCBR(nn.Module):
         return self.num_heads if self.encoder_heads is None else self.encoder_heads
 
     def setup(self) -> None:
-        if self.pairs not in PAIRS:
-            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        streams.check_pairs(self.pairs)
         if self.matching not in losses.MATCHINGS:
             raise ValueError(f"matching must be one of {losses.MATCHINGS}, got "
                              f"{self.matching!r}")
@@ -391,22 +364,9 @@ class SCORERCBR(nn.Module):
             dropout_rate=self.dropout_rate,
             layer_norm_eps=self.layer_norm_eps,
         )
-        self.decoder = Speaker(
-            vocab_size=self.vocab_size,
-            max_len=self.max_len,
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            num_layers=self.decoder_layers,
-            word_dim=self.word_dim,
-            dropout_rate=self.dropout_rate,
-            layer_norm_eps=self.layer_norm_eps,
-        )
+        self.decoder = speaker_for(self)
         if self.use_cbr:
             self.cbr = CBR(self.hidden_dim, self.num_heads, self.cbr_mean_by_length)
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return pair_streams(self.pairs)
 
     def _features(self, x: Array) -> Array:
         return grid_input(x, self.use_coordinates)
@@ -414,25 +374,22 @@ class SCORERCBR(nn.Module):
     def __call__(
         self, batch: dict[str, Array], *, train: bool, axis_name: losses.AxisName = None
     ) -> ModelOutput:
-        keys = ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
-        check_batch(batch, keys, type(self).__name__)
+        streams.validate_batch(batch, self.streams, model=type(self).__name__)
         before = self._features(batch["before"])
         match_loss = lambda m: losses.matching_contrastive_loss(
             m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size,
             matching=self.matching, num_heads=self.scorer_heads)
         logits, targets, sim, cbr = {}, {}, [], []
-        for stream in self.streams:
-            after_key, caption_key = STREAMS[stream]
-            ids = jnp.asarray(batch[caption_key], jnp.int32)
-            enc = self.encoder(before, self._features(batch[after_key]), train=train)
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
+            enc = self.encoder(before, self._features(after), train=train)
             logits[stream], sentence = self.decoder(enc.memory, ids, train=train)
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
             if self.use_sim:
                 s1, s2 = enc.matching
                 sim.append(0.5 * (match_loss(s1) + match_loss(s2)))
             if self.use_cbr:
                 cbr.append(self.cbr(enc.tokens_before, sentence, enc.tokens_after,
-                                    caption_mask(ids), axis_name=axis_name,
+                                    streams.caption_mask(ids), axis_name=axis_name,
                                     chunk_size=self.match_chunk_size))
         # Equal-weight mean of the pairs: 1/2 pos + 1/2 neg on CLEVR-Change (§3.4).
         aux = {}
@@ -451,21 +408,8 @@ class SCORERCBR(nn.Module):
             paths.append(("cbr", "contra", "logit_scale"))
         return clamp_params(params, paths, LOGIT_SCALE_MAX)
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         return self.encoder(self._features(before), self._features(after), train=train).memory
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        """Create the 'cache' collection: per layer, zeroed self-attention keys/values
-        (B, max_len, hidden) and the cross-attention keys/values of ``memory``."""
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        """Incremental step (eval mode): token (B,) int at position ``index`` -> logits (B, V)."""
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        """Full recompute: logits (B, L, V) for all positions of ``ids`` (B, L)."""
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]

@@ -31,12 +31,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from changecap_jax.models.base import ModelOutput, pair_streams
-from changecap_jax.models.decoder import Speaker
-from changecap_jax.models.dirl import make_caption_targets
+from changecap_jax.data import streams
+from changecap_jax.models import contract
+from changecap_jax.models.base import ModelOutput
+from changecap_jax.models.decoder import DelegatedDecoding, speaker_for
 from changecap_jax.models.dropout import Dropout
-from changecap_jax.models.layers import TorchDense, grid_input
-from changecap_jax.models.scorer import PAIRS, STREAMS, check_batch, grid_position_embedding
+from changecap_jax.models.layers import TorchDense, grid_input, grid_position_embedding
 
 Array = jax.Array
 
@@ -69,11 +69,12 @@ class SubtractionEncoder(nn.Module):
         return nn.relu(self.dropout(self.embed_fc_0(tokens), deterministic=not train))
 
 
-class Subtraction(nn.Module):
+class Subtraction(contract.TrunkModel, DelegatedDecoding):
     """Subtraction encoder + SCORER's Speaker decoder; no auxiliary losses."""
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     vocab_size: int
     max_len: int
@@ -88,23 +89,9 @@ class Subtraction(nn.Module):
     fusion: str = "difference"
 
     def setup(self) -> None:
-        if self.pairs not in PAIRS:
-            raise ValueError(f"pairs must be one of {PAIRS}, got {self.pairs!r}")
+        streams.check_pairs(self.pairs)
         self.encoder = SubtractionEncoder(self.hidden_dim, self.dropout_rate, self.fusion)
-        self.decoder = Speaker(
-            vocab_size=self.vocab_size,
-            max_len=self.max_len,
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            num_layers=self.decoder_layers,
-            word_dim=self.word_dim,
-            dropout_rate=self.dropout_rate,
-            layer_norm_eps=self.layer_norm_eps,
-        )
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return pair_streams(self.pairs)
+        self.decoder = speaker_for(self)
 
     def _features(self, x: Array) -> Array:
         return grid_input(x, self.use_coordinates)
@@ -113,29 +100,17 @@ class Subtraction(nn.Module):
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
         del axis_name  # no batch-wide loss
-        keys = ("before",) + tuple(k for s in self.streams for k in STREAMS[s])
-        check_batch(batch, keys, type(self).__name__)
+        streams.validate_batch(batch, self.streams, model=type(self).__name__)
         before = self._features(batch["before"])
         logits, targets = {}, {}
-        for stream in self.streams:
-            after_key, caption_key = STREAMS[stream]
-            ids = jnp.asarray(batch[caption_key], jnp.int32)
-            memory = self.encoder(before, self._features(batch[after_key]), train=train)
+        for stream, after, ids in streams.stream_pairs(batch, self.streams):
+            memory = self.encoder(before, self._features(after), train=train)
             logits[stream] = self.decoder(memory, ids, train=train)[0]
-            targets[stream] = make_caption_targets(ids)
+            targets[stream] = streams.make_caption_targets(ids)
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses={})
 
-    # ---- decoding protocol ----------------------------------------------------------------
+    # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         return self.encoder(self._features(before), self._features(after), train=train)
-
-    def init_cache(self, memory: Array, max_len: int) -> None:
-        self.decoder.init_cache(memory, max_len)
-
-    def decode_step(self, token: Array, index: Array) -> Array:
-        return self.decoder.step(jnp.asarray(token, jnp.int32), index)
-
-    def decode(self, memory: Array, ids: Array, *, train: bool = False) -> Array:
-        return self.decoder(memory, jnp.asarray(ids, jnp.int32), train=train)[0]
