@@ -31,8 +31,8 @@ from jax.experimental import multihost_utils
 
 from changecap_jax import evaluation, precision
 from changecap_jax.data import entity_inputs
-
-DISTRACTOR_LABELS = {"semantic": 1, "distractor": 0}  # the official label: 1 = semantic
+from changecap_jax.data.streams import DISTRACTOR_LABELS
+from changecap_jax.models import contract
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -98,7 +98,7 @@ class DistractorAccuracy:
         self.judge = jax.jit(lambda params, before, after: jax.nn.log_softmax(
             model.apply(*precision.cast_floating(({"params": params}, before, after),
                                                  compute_dtype),
-                        method=model.classify_distractor).astype(jnp.float32)))
+                        method=contract.distractor_classifier(model)).astype(jnp.float32)))
 
     def start(self, split: str) -> None:
         self.correct, self.loss, self.num_pairs = 0, 0.0, 0
@@ -158,7 +158,7 @@ def choose(config: ml_collections.ConfigDict, dataset: Any, model: Any, compute_
            streams: tuple[str, ...]) -> list[Evaluator]:
     """The evaluators of a run, in the order their metrics are written."""
     chosen: list[Evaluator] = [CaptionMetrics(config.spice, dataset)]
-    if "distractor" in streams and hasattr(model, "classify_distractor"):
+    if "distractor" in streams and contract.has_capability(model, contract.CLASSIFY_DISTRACTOR):
         chosen.append(DistractorAccuracy(model, compute_dtype))
     if "idc" in tuple(config.get("eval_protocols", ("coco",))):
         chosen.append(IdcProtocol())

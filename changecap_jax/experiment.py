@@ -24,6 +24,7 @@ import ml_collections
 
 from changecap_jax import models, parallel, precision
 from changecap_jax.data import datasets
+from changecap_jax.models import contract
 from changecap_jax.models.base import conditioning_shapes, extra_tokens
 
 
@@ -44,7 +45,7 @@ class Experiment:
     @property
     def streams(self) -> tuple[str, ...]:
         """The caption streams the model trains on ("semantic", maybe "distractor")."""
-        return tuple(getattr(self.model, "streams", ("semantic",)))
+        return contract.model_streams(self.model)
 
 
 def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Experiment:
@@ -63,7 +64,7 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
     model = models.build(config.model, vocab_size=len(dataset.vocab), max_len=max_len)
     conditioning = conditioning_shapes(model)
     dataset = datasets.attach_conditioning(dataset, conditioning)
-    streams = tuple(getattr(model, "streams", ("semantic",)))
+    streams = contract.model_streams(model)
     if "distractor" in streams and not dataset.meta.has_distractor:
         raise datasets.DatasetError(
             f"the model trains on distractor pairs but dataset {ds.name!r} has none; set "

@@ -38,17 +38,17 @@ from typing import Any
 
 import flax
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax import checkpoints, cli, compile_cache, experiment, models
-from changecap_jax.data import schema
+from changecap_jax.data import schema, streams
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
 from changecap_jax.jsonio import read_json, staging_dir, write_json_atomic
+from changecap_jax.models import contract
 from changecap_jax.models.base import conditioning_shapes
 
 FORMAT_VERSION = 1
@@ -150,18 +150,10 @@ def extractor_description(meta: schema.DatasetMeta, weights: str | None = None) 
     return {"name": name or "unknown", "feature_shape": list(meta.feature_shape)}
 
 
-def example_batch(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[str, jax.Array]:
+def example_batch(model: Any, meta: schema.DatasetMeta, max_len: int) -> dict[str, Any]:
     """Zeros shaped like one training example of every stream the model trains on."""
-    h, w, c = meta.feature_shape
-    grid = jnp.zeros((1, h, w, c), jnp.float32)
-    caption = jnp.zeros((1, max_len), jnp.int32).at[:, 0].set(2)
-    batch = {"before": grid, "after_semantic": grid, "change_caption": caption}
-    streams = tuple(getattr(model, "streams", ("semantic",)))
-    if "distractor" in streams:
-        batch.update(after_distractor=grid, no_change_caption=caption)
-    for name, shape in conditioning_shapes(model).items():
-        batch.update({f"{name}_{s}": jnp.zeros((1, *shape), jnp.float32) for s in streams})
-    return batch
+    return streams.example_batch(contract.model_streams(model), tuple(meta.feature_shape),
+                                 max_len, conditioning=conditioning_shapes(model), start_id=2)
 
 
 def abstract_params(model: Any, meta: schema.DatasetMeta, max_len: int) -> Any:

@@ -19,13 +19,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from changecap_jax.data.streams import BEFORE, STREAMS, pair_streams
-
-# Re-exported: reproduce/run.py reads the (after-image, caption ids) table from here.
-from changecap_jax.data.streams import STREAM_KEYS as STREAM_KEYS
+from changecap_jax.data.streams import BEFORE, STREAMS
 from changecap_jax.data.synthetic.builder import DEFAULT_MAX_CAPTION_LEN
 from changecap_jax.data.vocab import END_ID, START_ID
 from changecap_jax.errors import UserError
+from changecap_jax.models import contract
 from changecap_jax.models.base import conditioning_shapes
 
 FIRST_WORD_ID = 4  # ids 0..3 are <NULL>, <UNK>, <START>, <END>
@@ -88,15 +86,6 @@ def random_captions(rng: np.random.Generator, batch_size: int, length: int,
     return ids
 
 
-def model_streams(model: Any) -> tuple[str, ...]:
-    """The caption streams of ``model``'s ``pairs`` field."""
-    pairs = getattr(model, "pairs", None)
-    if pairs is None:
-        raise SyntheticInputError(f"{type(model).__name__} has no 'pairs' field: cannot tell "
-                                  "which caption streams its batch holds")
-    return pair_streams(pairs)
-
-
 def make_batch(model: Any, batch_size: int, feature_shape: tuple[int, int, int],
                caption_len: int, vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A random training batch with every key ``model`` reads (module docstring)."""
@@ -109,7 +98,7 @@ def make_batch(model: Any, batch_size: int, feature_shape: tuple[int, int, int],
         return rng.standard_normal((batch_size, *shape), dtype=np.float32)
 
     batch = {BEFORE: floats(*feature_shape)}
-    for stream in model_streams(model):
+    for stream in contract.model_streams(model):
         batch[STREAMS[stream].after] = floats(*feature_shape)
         batch[STREAMS[stream].caption] = random_captions(rng, batch_size, caption_len,
                                                          vocab_size)

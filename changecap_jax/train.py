@@ -40,7 +40,7 @@ from changecap_jax import (
     precision,
 )
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.evaluators import DISTRACTOR_LABELS  # noqa: F401  (re-exported)
+from changecap_jax.data.streams import DISTRACTOR_LABELS, STREAM_INPUTS  # noqa: F401
 from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old home)
     BEST_DIR,
     SCALARS_FILE,
@@ -51,18 +51,13 @@ from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old hom
 )
 from changecap_jax.losses import caption_cross_entropy
 from changecap_jax.metric_writer import MetricWriter
+from changecap_jax.models import contract
 from changecap_jax.update import (  # noqa: F401  (re-exported)
     INPUTS_FOLD,
     TrainState,
     make_update_step,
     zero_gradient_rows,
 )
-
-STREAM_INPUTS = {  # caption stream -> (after-image field, reference field, id suffix)
-    "semantic": ("after_semantic", "change_captions", ""),
-    "distractor": ("after_distractor", "no_change_captions", "_n"),
-}
-
 
 INIT_FOLD = 0x1A17  # parameters are initialised from fold_in(seed key, INIT_FOLD)
 
@@ -212,7 +207,7 @@ def make_train_step(
     come back as a third output (for tests: one compile gives both)."""
     return make_update_step(
         make_loss_fn(model, loss_weights, mesh, compute_dtype), optimizer, mesh, schedule,
-        zero_grad_rows=zero_grad_rows, post_update=getattr(model, "post_update", None),
+        zero_grad_rows=zero_grad_rows, post_update=contract.post_update_fn(model),
         with_grads=with_grads)
 
 
@@ -464,7 +459,7 @@ class Trainer:
             writer.write_scalars(step, scalars)
 
     def model_streams(self) -> tuple[str, ...]:
-        return tuple(getattr(self.model, "streams", ("semantic",)))
+        return contract.model_streams(self.model)
 
 
 def _share_from_main(value: float) -> float:

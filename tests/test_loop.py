@@ -32,6 +32,8 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
 
     class Model:
+        capabilities = frozenset({"post_update"})  # declared, as the model contract asks
+
         def post_update(self, params):
             return params
 

@@ -56,6 +56,7 @@ import orbax.checkpoint as ocp
 
 from changecap_jax import checkpoints, losses, models
 from changecap_jax.convert import registry
+from changecap_jax.models import contract
 
 
 def load_params(workdir: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
@@ -176,7 +177,7 @@ def forward_outputs(
 
     result, state = run(params, batch)
     # Calls are captured in the model's stream order (jit returns dicts with sorted keys).
-    streams = tuple(getattr(model, "streams", ())) or tuple(result.caption_logits)
+    streams = contract.model_streams(model)
     out = _captured_outputs(state["intermediates"], streams, model_converter.output_fields)
     out.update(_losses(config, result, streams))
     if model_converter.stream_aux is not None:

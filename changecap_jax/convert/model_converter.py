@@ -18,6 +18,7 @@ import numpy as np
 
 from changecap_jax.convert.tables import Entry, Sizes, Source, States, TokenRows
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot, read_official_snapshot
+from changecap_jax.data import streams
 
 # (Flax model, outputs so far) -> more named outputs (see ModelConverter.stream_aux).
 StreamAux = Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]
@@ -73,15 +74,9 @@ class ModelConverter:
     stream_aux: StreamAux | None = None
 
 
-def zero_batch(streams: Mapping[str, tuple[Any, ...]], model: Any,
-               sizes: Sizes) -> dict[str, np.ndarray]:
+def zero_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
     """A batch of one zero example for ``model.init``: the ``before`` grid and, per stream of
-    ``model.streams``, its after grid and caption ids, the fields named by the first two items
-    of the model's stream table ``streams`` (stream -> (after field, caption field, ...))."""
-    grid = np.zeros((1, sizes.grid_height, sizes.grid_width, sizes.feature_channels), np.float32)
-    batch = {"before": grid}
-    for stream in model.streams:
-        after_key, caption_key = streams[stream][:2]
-        batch[after_key] = grid
-        batch[caption_key] = np.zeros((1, sizes.max_len), np.int32)
-    return batch
+    ``model.streams``, its after grid and caption ids (``data/streams.py``)."""
+    return streams.example_batch(
+        model.streams, (sizes.grid_height, sizes.grid_width, sizes.feature_channels),
+        sizes.max_len)

@@ -87,8 +87,6 @@ from changecap_jax.models.layers import (
 Array = jax.Array
 
 VARIANTS = ("clevr_change", "clevr_dc")
-# The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
-STREAMS = streams.STREAM_KEYS
 
 
 class EncoderOutput(NamedTuple):

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from changecap_jax import parallel, precision
 from changecap_jax.errors import UserError
-from changecap_jax.models import idc_pcl
+from changecap_jax.models import contract, idc_pcl
 from changecap_jax.update import INPUTS_FOLD, make_update_step
 
 TASKS = ("mlm", "mvcl", "fda")
@@ -323,5 +323,5 @@ def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, 
     loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature,
                              classify=classify)
     return make_update_step(loss_fn, optimizer, mesh, schedule, zero_grad_rows=zero_grad_rows,
-                            post_update=getattr(model, "post_update", None),
+                            post_update=contract.post_update_fn(model),
                             with_grads=with_grads)

@@ -77,8 +77,6 @@ from changecap_jax.models.layers import (
 
 Array = jax.Array
 
-# The legacy name of data/streams.py's table; convert/mapping.py reads it for its example batch.
-STREAMS = streams.STREAM_KEYS
 LOGIT_SCALE_MAX = math.log(100.0)  # §3.4: exp(logit_scale) <= 100
 LOGIT_SCALE_INIT = 1.0  # §3.5: torch.ones([]), i.e. a multiplier of e
 

@@ -43,6 +43,7 @@ from changecap_jax.convert import converter, registry, tables
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
 from changecap_jax.data import datasets, pipeline
+from changecap_jax.data.streams import STREAM_KEYS, batch_keys
 from changecap_jax.reproduce import official as off
 from changecap_jax.reproduce.adapters import (
     Adapter,
@@ -149,7 +150,7 @@ def random_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs
 def model_batch(model: Any, batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """The fields the model reads: float32 grids (a half-precision stored grid is upcast,
     as the model does on the device) and int32 ids."""
-    keys = ["before"] + [k for s in model.streams for k in si.STREAM_KEYS[s]]
+    keys = list(batch_keys(model.streams))
     return {k: np.asarray(batch[k], np.float32 if k.startswith(("before", "after")) else
                           np.int32) for k in keys}
 
@@ -179,7 +180,7 @@ def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
 
     pairs = {}
     for stream in streams:
-        after_key, caption_key = si.STREAM_KEYS[stream]
+        after_key, caption_key = STREAM_KEYS[stream]
         ids = batch[caption_key]
         pairs[stream] = TorchPair(
             grid(batch[after_key]), torch.from_numpy(ids.astype(np.int64)),

@@ -34,7 +34,6 @@ from changecap_jax.convert.tables import (
     linear,
     mha,
 )
-from changecap_jax.models.dirl import STREAMS
 
 
 def check_identity(model: ml_collections.ConfigDict, states: States, model_cfg: Any) -> None:
@@ -95,7 +94,7 @@ def table(model: ml_collections.ConfigDict, sizes: Sizes) -> list[Entry]:
 
 def example_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
     """Zeros in the layout of the DIRL model's streams."""
-    return zero_batch(STREAMS, model, sizes)
+    return zero_batch(model, sizes)
 
 
 def stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, Any]:

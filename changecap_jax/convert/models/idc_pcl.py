@@ -55,7 +55,7 @@ from changecap_jax.convert.tables import (
     require_shape,
 )
 from changecap_jax.convert.torch_checkpoint import IDC_STATE, read_idc_checkpoint
-from changecap_jax.models.idc_pcl import NUM_TYPES, STREAMS, idc_sinusoid_table
+from changecap_jax.models.idc_pcl import NUM_TYPES, idc_sinusoid_table
 
 _EMBEDDINGS = ("word_embedding.weight", "position_encoding.type_pe.weight")
 PE_KEY = "position_encoding.pe"
@@ -277,7 +277,7 @@ def fresh_params(model: ml_collections.ConfigDict, sizes: Sizes) -> tuple[str, .
 
 def example_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
     """Zeros in the layout of the fine-tuning model's streams."""
-    return zero_batch(STREAMS, model, sizes)
+    return zero_batch(model, sizes)
 
 
 def init_inputs(model: Any, sizes: Sizes) -> tuple[tuple, dict[str, Any]]:

@@ -36,7 +36,6 @@ from changecap_jax.convert.tables import (
     mha,
     scalar,
 )
-from changecap_jax.models.scorer import STREAMS
 
 GENERATOR = "generator"  # CBR: never in the official snapshot (S-Q1)
 
@@ -99,7 +98,7 @@ def table(model: ml_collections.ConfigDict, sizes: Sizes) -> list[Entry]:
 
 def example_batch(model: Any, sizes: Sizes) -> dict[str, np.ndarray]:
     """Zeros in the layout of the SCORER model's streams."""
-    return zero_batch(STREAMS, model, sizes)
+    return zero_batch(model, sizes)
 
 
 def stream_aux(model: Any, out: dict[str, np.ndarray]) -> dict[str, Any]:
