@@ -95,9 +95,10 @@ class BenchmarkError(UserError, ValueError):
 
 
 def check_supported(config: ml_collections.ConfigDict) -> None:
-    if config.model.name not in models.MODELS:
-        raise BenchmarkError(f"unknown model {config.model.name!r}; known: "
-                             f"{sorted(models.MODELS)}")
+    try:
+        models.model_class(config.model.name)
+    except models.UnknownModelError as e:
+        raise BenchmarkError(str(e)) from e
     if "pretrain" in config:
         raise BenchmarkError(
             "a pretraining config (with a pretrain block) trains by per-task steps "

@@ -120,3 +120,11 @@ def distractor_classifier(model: Any) -> Callable[..., Array] | None:
 def model_streams(model: Any) -> tuple[str, ...]:
     """The caption streams ``model`` trains on (its declared ``streams``)."""
     return tuple(model.streams)
+
+
+def missing_members(cls: type) -> list[str]:
+    """The members of :class:`CaptionModel` that the class ``cls`` lacks (empty: it
+    satisfies the contract as far as a class can show)."""
+    members = ("MEMORY_LAYOUT", "capabilities", "streams", "decoding_rules", "extra_tokens",
+               "conditioning_shapes", "__call__", "encode", "init_cache", "decode_step", "decode")
+    return [m for m in members if not hasattr(cls, m)]
