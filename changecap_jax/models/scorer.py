@@ -58,8 +58,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# Module import (attributes read at call time): losses imports models.base, whose package
-# __init__ imports this file, so a from-import here would be circular.
 from changecap_jax import losses
 from changecap_jax.data import streams
 from changecap_jax.models import contract

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
+from changecap_jax.jsonio import read_json
 
 SPLITS = ("train", "val", "test")
 FEATURE_SHAPES = {3: (1024, 14, 14), 4: (2048, 7, 7)}  # (C, H, W), as the official .npy
@@ -78,6 +79,31 @@ class Annotations:
     def all_specs(self) -> Iterator[PairSpec]:
         for split in self.splits.values():
             yield from split
+
+
+def read_entry_list(path: Path, what: str, keys: Sequence[str],
+                    described: str) -> list[dict[str, Any]]:
+    """A JSON annotation file that holds a list of objects, each with every key of ``keys``;
+    ``what`` names the file in errors ("Spot-the-Diff annotation file"), ``described`` the
+    entries ("{'img_id', 'sentences'}"). Errors name the file, the entry and the key."""
+    if not path.is_file():
+        raise BuildError(f"missing {what} {path}")
+    try:
+        data = read_json(path, what)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
+    if not isinstance(data, list):
+        raise BuildError(f"{path}: expected a list of {described} entries, found "
+                         f"{type(data).__name__}")
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise BuildError(f"{path}: entry {i}: expected an object, found "
+                             f"{type(entry).__name__}")
+        for key in keys:
+            if key not in entry:
+                raise BuildError(f"{path}: entry {i}: missing key {key!r} (found keys "
+                                 f"{sorted(entry)})")
+    return data
 
 
 def skip(skipped: dict[str, int], reason: str, n: int = 1) -> None:

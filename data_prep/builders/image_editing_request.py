@@ -33,8 +33,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from changecap_jax.jsonio import read_json
-from data_prep.builders.base import Annotations, BuildError, PairDatasetBuilder, PairSpec
+from data_prep.builders.base import (
+    Annotations,
+    BuildError,
+    PairDatasetBuilder,
+    PairSpec,
+    read_entry_list,
+)
 
 # official file name -> stored split name, in id order
 SPLIT_FILES = {"train": "train", "valid": "val", "test": "test"}
@@ -44,23 +49,9 @@ KEYS = ("img0", "img1", "sents", "uid")
 
 def read_entries(path: Path) -> list[dict[str, Any]]:
     """One split's json -> its validated entries; errors name file, index, key and values."""
-    if not path.is_file():
-        raise BuildError(f"missing Image Editing Request annotation file {path}")
-    try:
-        data = read_json(path, "Image Editing Request annotation file")
-    except ValueError as e:
-        raise BuildError(str(e)) from e
-    if not isinstance(data, list):
-        raise BuildError(f"{path}: expected a list of {{{', '.join(KEYS)}}} entries, found "
-                         f"{type(data).__name__}")
+    data = read_entry_list(path, "Image Editing Request annotation file", KEYS,
+                           "{" + ", ".join(KEYS) + "}")
     for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            raise BuildError(f"{path}: entry {i}: expected an object, found "
-                             f"{type(entry).__name__}")
-        for key in KEYS:
-            if key not in entry:
-                raise BuildError(f"{path}: entry {i}: missing key {key!r} (found keys "
-                                 f"{sorted(entry)})")
         for key in ("img0", "img1", "uid"):
             value = entry[key]
             # Images are looked up by bare file name, so a path would escape the image folder.

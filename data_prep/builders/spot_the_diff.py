@@ -49,13 +49,13 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from changecap_jax.jsonio import read_json
 from data_prep.builders.base import (
     SPLITS,
     Annotations,
     BuildError,
     PairDatasetBuilder,
     PairSpec,
+    read_entry_list,
     skip,
 )
 
@@ -69,23 +69,9 @@ _IMG_ID = re.compile(r"0|[1-9][0-9]*")  # canonical digits: "<img_id>.png" and i
 
 def read_entries(path: Path) -> list[dict[str, Any]]:
     """One split's json -> its validated entries; errors name file, index, key and values."""
-    if not path.is_file():
-        raise BuildError(f"missing Spot-the-Diff annotation file {path}")
-    try:
-        data = read_json(path, "Spot-the-Diff annotation file")
-    except ValueError as e:
-        raise BuildError(str(e)) from e
-    if not isinstance(data, list):
-        raise BuildError(f"{path}: expected a list of {{'img_id', 'sentences'}} entries, "
-                         f"found {type(data).__name__}")
+    data = read_entry_list(path, "Spot-the-Diff annotation file", ("img_id", "sentences"),
+                           "{'img_id', 'sentences'}")
     for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            raise BuildError(f"{path}: entry {i}: expected an object, found "
-                             f"{type(entry).__name__}")
-        for key in ("img_id", "sentences"):
-            if key not in entry:
-                raise BuildError(f"{path}: entry {i}: missing key {key!r} (found keys "
-                                 f"{sorted(entry)})")
         img_id = entry["img_id"]
         if not isinstance(img_id, str) or not _IMG_ID.fullmatch(img_id):
             raise BuildError(f"{path}: entry {i}: key 'img_id': expected a string of digits "
