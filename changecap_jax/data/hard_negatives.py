@@ -101,6 +101,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from changecap_jax.data import word_classes as wc
 from changecap_jax.data.negatives import (  # noqa: F401  (the reader lives in the core)
@@ -112,7 +113,9 @@ from changecap_jax.data.negatives import (  # noqa: F401  (the reader lives in t
     negatives_by_pair,
     negatives_path,
 )
+from changecap_jax.data.vocab import CaptionError
 from changecap_jax.errors import UserError
+from changecap_jax.jsonio import atomic_write
 
 NUM_PER_KIND = 2
 DEFAULT_SEED = 0
@@ -167,8 +170,6 @@ def read_pairs(
 ) -> tuple[list[Pair], collections.Counter]:
     """The caption-bearing pairs of one split (semantic, then no-change, per record) and what
     was skipped (captions the tokeniser rejects, pairs left with no caption)."""
-    from changecap_jax.data.vocab import CaptionError
-
     source = prepared.split(split)
     pairs: list[Pair] = []
     skipped: collections.Counter = collections.Counter()
@@ -200,8 +201,6 @@ def read_pairs(
 def _progress(items: Any, enabled: bool, desc: str) -> Any:
     if not enabled:
         return items
-    from tqdm import tqdm
-
     return tqdm(items, desc=desc, unit="pair" if "reading" not in desc else "record",
                 mininterval=1.0, file=sys.stderr)
 
@@ -697,8 +696,6 @@ def _classes_summary(classes: wc.WordClasses) -> dict[str, Any]:
 
 def write_negatives(records: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
     """One JSON object per line, written atomically."""
-    from changecap_jax.jsonio import atomic_write
-
     def write(fh: Any) -> None:
         for rec in records:
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, ImageDraw
+
 from changecap_jax.jsonio import atomic_write, write_json_atomic
 
 CSV_FILE, JSON_FILE, PLOT_FILE = "steps.csv", "steps.json", "losses.png"
@@ -148,8 +150,6 @@ def _legend(draw: Any, origin: tuple[int, int], entries: list[tuple[str, tuple]]
 
 def plot(path: Path, rows: list[dict[str, Any]], rtol: float, settings: dict[str, Any]) -> None:
     """Writes ``losses.png`` (module docstring)."""
-    from PIL import Image, ImageDraw
-
     image = Image.new("RGB", SIZE, (255, 255, 255))
     draw = ImageDraw.Draw(image)
     steps = [r["step"] for r in rows]
