@@ -114,6 +114,10 @@ class ReadsMore(nn.Module):
 
     pairs: str = "semantic_only"
 
+    @property
+    def streams(self) -> tuple[str, ...]:  # declared, as the model contract asks
+        return ("semantic",)
+
     @nn.compact
     def __call__(self, batch: dict, *, train: bool) -> jax.Array:
         return nn.Dense(2)(batch["before"]) + batch["mystery_input"]

@@ -22,10 +22,11 @@ import scipy.special
 
 from changecap_jax import decoding, parallel, train
 from changecap_jax.data import pipeline
+from changecap_jax.data.streams import STREAM_KEYS as STREAMS
 from changecap_jax.data.streams import make_caption_targets
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.layers import sinusoid_table
-from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR, STREAMS
+from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR
 from configs import scorer as scorer_config
 
 B, H, W, C, L, V = 4, 4, 4, 6, 8, 12
