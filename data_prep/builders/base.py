@@ -81,6 +81,19 @@ class Annotations:
             yield from split
 
 
+def find_annotation_dir(raw_dir: Path, subdirs: Sequence[str], names: Sequence[str],
+                        dataset: str) -> Path:
+    """The first of ``raw_dir / sub`` (``subdirs`` in order) holding one of the split files
+    ``<name>.json``; the error names every folder looked in."""
+    for sub in subdirs:
+        candidate = raw_dir / sub
+        if any((candidate / f"{name}.json").is_file() for name in names):
+            return candidate
+    looked = ", ".join(str(raw_dir / sub) for sub in subdirs)
+    raise BuildError(f"missing {dataset} annotation files {{{','.join(names)}}}.json: none "
+                     f"in {looked}")
+
+
 def read_entry_list(path: Path, what: str, keys: Sequence[str],
                     described: str) -> list[dict[str, Any]]:
     """A JSON annotation file that holds a list of objects, each with every key of ``keys``;

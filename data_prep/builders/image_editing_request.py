@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data_prep.builders import base
 from data_prep.builders.base import (
     Annotations,
     BuildError,
@@ -96,13 +97,8 @@ def specs_from_entries(entries: Mapping[str, list[dict[str, Any]]],
 
 def find_annotation_dir(raw_dir: Path) -> Path:
     """``raw_dir`` or ``raw_dir/dataset/adobe``: the first holding an official json file."""
-    for sub in ANNOTATION_DIRS:
-        candidate = raw_dir / sub
-        if any((candidate / f"{name}.json").is_file() for name in SPLIT_FILES):
-            return candidate
-    looked = ", ".join(str(raw_dir / sub) for sub in ANNOTATION_DIRS)
-    raise BuildError(f"missing Image Editing Request annotation files "
-                     f"{{train,valid,test}}.json: none in {looked}")
+    return base.find_annotation_dir(raw_dir, ANNOTATION_DIRS, tuple(SPLIT_FILES),
+                                    "Image Editing Request")
 
 
 class ImageEditingRequest(PairDatasetBuilder):

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data_prep.builders import base
 from data_prep.builders.base import (
     SPLITS,
     Annotations,
@@ -147,13 +148,7 @@ def specs_from_entries(
 
 def find_annotation_dir(raw_dir: Path) -> Path:
     """The first of ``annotations/``, ``data/annotations/``, ``raw_dir`` with a split file."""
-    for sub in ANNOTATION_DIRS:
-        candidate = raw_dir / sub
-        if any((candidate / f"{split}.json").is_file() for split in SPLITS):
-            return candidate
-    looked = ", ".join(str(raw_dir / sub) for sub in ANNOTATION_DIRS)
-    raise BuildError(f"missing Spot-the-Diff annotation files {{train,val,test}}.json: none "
-                     f"in {looked}")
+    return base.find_annotation_dir(raw_dir, ANNOTATION_DIRS, SPLITS, "Spot-the-Diff")
 
 
 def find_image_root(raw_dir: Path) -> Path:
