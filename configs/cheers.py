@@ -81,11 +81,10 @@ def _paper_model(pairs: str) -> ml_collections.ConfigDict:
 
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    preset, _, ablation = (preset or "synthetic").partition("/")
+    preset, ablation = common.split_preset(preset, "synthetic")
     ablation = ablation or "full"
-    if ablation not in ABLATIONS:
-        raise ValueError(f"unknown ablation {ablation!r} for configs/cheers.py; choose one of "
-                         f"{sorted(ABLATIONS)}")
+    common.require_choice(ablation, ABLATIONS, "ablation", "configs/cheers.py",
+                          shown=sorted(ABLATIONS))
     if preset.startswith("synthetic"):
         if preset not in ("synthetic", "synthetic_extreme"):
             raise ValueError(f"unknown preset {preset!r} for configs/cheers.py")

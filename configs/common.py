@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_collections
 
 
@@ -119,3 +121,17 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.early_stop_evals = 0
     config.early_stop_metric = "CIDEr"
     return config
+
+
+def split_preset(preset: str, default: str) -> tuple[str, str]:
+    """``"PRESET[/SUB]"`` -> ``(PRESET, SUB)``; an empty preset is ``default``, SUB may be ""."""
+    first, _, second = (preset or default).partition("/")
+    return first, second
+
+
+def require_choice(value: str, choices: Any, what: str, config_file: str, *,
+                   shown: Any = None, hint: str = "") -> None:
+    """A clear error for a preset part that is not one of ``choices`` (listed as ``shown``)."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r} for {config_file}; choose one of "
+                         f"{choices if shown is None else shown}{hint}")

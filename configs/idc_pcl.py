@@ -170,11 +170,10 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
 
 def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    stage, _, dataset = (preset or "finetune").partition("/")
+    stage, dataset = common.split_preset(preset, "finetune")
     dataset = dataset or "synthetic"
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r} for configs/idc_pcl.py; choose one of "
-                         f"{STAGES} (as STAGE[/DATASET])")
+    common.require_choice(stage, STAGES, "stage", "configs/idc_pcl.py",
+                          hint=" (as STAGE[/DATASET])")
     config.model = _paper_model()
     config.model.stage = stage
     config.seed = 1234  # the official seed

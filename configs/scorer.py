@@ -137,7 +137,7 @@ PAPER_PRESETS = {
 
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    preset, _, ablation = (preset or "synthetic").partition("/")
+    preset, ablation = common.split_preset(preset, "synthetic")
     if preset in ("synthetic", "synthetic_extreme"):
         config.dataset = common.synthetic_dataset(
             "extreme" if preset == "synthetic_extreme" else "moderate")
