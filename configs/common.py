@@ -135,3 +135,21 @@ def require_choice(value: str, choices: Any, what: str, config_file: str, *,
     if value not in choices:
         raise ValueError(f"unknown {what} {value!r} for {config_file}; choose one of "
                          f"{choices if shown is None else shown}{hint}")
+
+
+DROP = "<dropped>"  # a value of set_fields: the key is removed from its dict
+
+
+def set_fields(config: ml_collections.ConfigDict, fields: dict[str, object]) -> None:
+    """Sets each dotted ``fields`` path of ``config`` to its value (in place); a value
+    :data:`DROP` removes the key where it exists (an ablation's dropped loss weight)."""
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        if isinstance(value, str) and value == DROP:
+            if leaf in node:
+                del node[leaf]
+        else:
+            node[leaf] = value
