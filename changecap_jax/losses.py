@@ -46,6 +46,7 @@ def barlow_correlation_loss(
     y2: Array,
     *,
     off_diagonal_weight: float = 0.003,
+    on_diagonal_weight: float = 1.0,
     axis_name: AxisName = None,
 ) -> Array:
     """DIRL loss (§4.1 step 2): Barlow-style channel cross-correlation of two MLP outputs.
@@ -53,11 +54,14 @@ def barlow_correlation_loss(
     Args:
       y1, y2: (B, T, D) (or (N, D)) MLP outputs of the before / after tokens; rows are (b, t).
       off_diagonal_weight: alpha, 0.003 in the official code.
+      on_diagonal_weight: the weight of the first (diagonal) term, 1 in the official code;
+        0 keeps the off-diagonal term alone (docs/ablations.md).
       axis_name: mesh axis the batch is split over, or None.
 
     Each channel is z-scored over all N = B*T rows of the global batch with the mean and the
-    Bessel-corrected (N - 1) std; C = Z1^T Z2 / N; loss = sum_i (C_ii - 1)^2
-    + alpha * sum_{i != j} C_ij^2. Only sums cross devices (psum), never the rows.
+    Bessel-corrected (N - 1) std; C = Z1^T Z2 / N; loss = w_on * sum_i (C_ii - 1)^2
+    + alpha * sum_{i != j} C_ij^2 (w_on = on_diagonal_weight). Only sums cross devices (psum),
+    never the rows.
     """
     if y1.shape != y2.shape:
         raise ValueError(f"y1 and y2 must have the same shape, got {y1.shape} and {y2.shape}")
@@ -78,7 +82,7 @@ def barlow_correlation_loss(
     diag = jnp.diagonal(c)
     on_diag = jnp.sum((diag - 1.0) ** 2)
     off_diag = jnp.sum(c * c) - jnp.sum(diag * diag)
-    return on_diag + off_diagonal_weight * off_diag
+    return on_diagonal_weight * on_diag + off_diagonal_weight * off_diag
 
 
 def ccr_infonce_loss(t: Array, v: Array, *, axis_name: AxisName = None) -> Array:

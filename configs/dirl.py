@@ -1,6 +1,6 @@
 """DIRL + CCR (Tu et al., ECCV 2024); docs/official/dirl.md §4.
 
-    python -m changecap_jax.main --config=configs/dirl.py[:PRESET]
+    python -m changecap_jax.main --config=configs/dirl.py[:PRESET[/ABLATION]]
 
 Presets:
   synthetic (default)    the built-in synthetic dataset with a CPU-sized model (hidden 128,
@@ -23,6 +23,20 @@ The real datasets are built first with ``python -m data_prep.build DATASET --raw
 authors released code for CLEVR-Change and CLEVR-DC only; for the other datasets the model
 follows the CLEVR-DC code path (CCR decoder, no coordinate channels, one pair per example),
 which is our reading, and 10k iterations as the paper's text says.
+
+Ablations of the paper (Tables 6-7, on CLEVR-DC in the paper; here on every preset), appended
+as ``PRESET/NAME`` (table: docs/ablations.md; each switches exactly the fields ABLATIONS names):
+  dirl_ccr (default)     Table 6 "Transformer + DIRL + CCR": the full model.
+  transformer            Table 6 the vanilla Transformer: no DIRL loss (nor its MLP head), no
+                         CCR loss; the same cross-attention encoder and decoder.
+  dirl                   Table 6 "+DIRL" (= Table 7's DIRL with both terms): no CCR loss.
+  ccr                    Table 6 "+CCR": no DIRL loss.
+  dirl_non_perturbation  Table 7: DIRL without CCR, only the first term of Eq. (4)
+                         (model.off_diagonal_weight = 0).
+  dirl_discrimination    Table 7: DIRL without CCR, only the second term of Eq. (4)
+                         (model.on_diagonal_weight = 0; alpha stays 0.003).
+The lambda_d / lambda_c study (Fig. 5) is a sweep of loss_weights.dirl / loss_weights.ccr
+(docs/ablations.md, "Sweeps").
 """
 
 from __future__ import annotations
@@ -47,7 +61,26 @@ def _paper_model(variant: str) -> ml_collections.ConfigDict:
         "mlp_hidden_dim": 2048,
         "dropout_rate": 0.1,
         "off_diagonal_weight": 0.003,
+        # Tables 6-7 switches (the ABLATIONS below); the defaults are the full model.
+        "use_dirl": True,
+        "use_ccr": True,
+        "on_diagonal_weight": 1.0,
     })
+
+
+# Ablation -> the dotted config fields it sets, and nothing else (tests/test_dirl_ablations.py).
+# A loss that is off also loses its weight (the trainer weights exactly the model's losses).
+_NO_DIRL = {"model.use_dirl": False, "loss_weights.dirl": common.DROP}
+_NO_CCR = {"model.use_ccr": False, "loss_weights.ccr": common.DROP}
+ABLATIONS: dict[str, dict[str, object]] = {
+    "dirl_ccr": {},  # Table 6 row 4: the full model
+    "transformer": {**_NO_DIRL, **_NO_CCR},  # Table 6 row 1 (= Table 7 row 1)
+    "dirl": dict(_NO_CCR),  # Table 6 row 2 (= Table 7 row 4)
+    "ccr": dict(_NO_DIRL),  # Table 6 row 3
+    # Table 7 rows 2-3: one term of Eq. (4), without CCR as the table's DIRL rows.
+    "dirl_non_perturbation": {**_NO_CCR, "model.off_diagonal_weight": 0.0},
+    "dirl_discrimination": {**_NO_CCR, "model.on_diagonal_weight": 0.0},
+}
 
 
 # dataset -> (decoder variant, loss weights (dirl, ccr), batch, lr, iterations, decode length)
@@ -62,8 +95,8 @@ PAPER_PRESETS = {
 
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    preset = preset or "synthetic"
-    if preset.startswith("synthetic"):
+    preset, ablation = common.split_preset(preset, "synthetic")
+    if preset in ("synthetic", "synthetic_extreme"):
         config.dataset = common.synthetic_dataset(
             "extreme" if preset == "synthetic_extreme" else "moderate")
         config.model = _paper_model("clevr_change")
@@ -88,4 +121,8 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown preset {preset!r} for configs/dirl.py; choose one of "
                          f"{['synthetic', 'synthetic_extreme', *PAPER_PRESETS]}")
     config.optim.zero_grad_rows = {"decoder/embed/embedding": 0}
+    ablation = ablation or "dirl_ccr"
+    common.require_choice(ablation, ABLATIONS, "ablation", "configs/dirl.py",
+                          shown=list(ABLATIONS))
+    common.set_fields(config, ABLATIONS[ablation])
     return config

@@ -31,6 +31,13 @@ Method
    and (before, after_distractor, no_change_caption); aux losses are the means of the two pairs
    and the trainer adds cap + 0.5 dirl + 0.3 ccr. CLEVR-DC: one pair, cap + 0.03 dirl + 0.05 ccr.
 
+Ablations (paper Tables 6-7, docs/ablations.md; defaults = the full model): ``use_dirl=False``
+drops the DIRL loss and its MLP head (no ``encoder/mlp_*`` parameters), ``use_ccr=False`` the
+CCR loss (the decoder is the same; t and v are then unused); either loss missing from
+``aux_losses`` must be missing from ``config.loss_weights``. ``on_diagonal_weight=0`` keeps
+only the off-diagonal (discrimination) term of the DIRL loss, ``off_diagonal_weight=0`` only
+the diagonal (non-perturbation) term.
+
 The two decoder variants (§4 table, field ``variant``):
   * ``"clevr_change"`` = ``models/CCR_no_init.py``: no LayerNorms in ``fc`` / ``embed_fc``; torch
     default init (word embedding N(0, 1) with the pad row 0 set to zero).
@@ -358,6 +365,10 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     dropout_rate: float = 0.1
     off_diagonal_weight: float = 0.003
     layer_norm_eps: float = 1e-5
+    # Tables 6-7 ablations (module docstring); the defaults are the full model.
+    use_dirl: bool = True
+    use_ccr: bool = True
+    on_diagonal_weight: float = 1.0
 
     def setup(self) -> None:
         streams.check_pairs(self.pairs)
@@ -392,21 +403,26 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         before = self._features(batch["before"])
         logits, targets, dirl, ccr = {}, {}, [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
-            enc = self.encoder(before, self._features(after), train=train)
-            dirl.append(
-                losses.barlow_correlation_loss(
-                    enc.mlp_before,
-                    enc.mlp_after,
-                    off_diagonal_weight=self.off_diagonal_weight,
-                    axis_name=axis_name,
+            enc = self.encoder(before, self._features(after), train=train,
+                               with_mlp=self.use_dirl)
+            if self.use_dirl:
+                dirl.append(
+                    losses.barlow_correlation_loss(
+                        enc.mlp_before,
+                        enc.mlp_after,
+                        off_diagonal_weight=self.off_diagonal_weight,
+                        on_diagonal_weight=self.on_diagonal_weight,
+                        axis_name=axis_name,
+                    )
                 )
-            )
             memory = self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
             logits[stream], t, v = self.decoder(memory, ids, train=train)
             targets[stream] = streams.make_caption_targets(ids)
-            ccr.append(losses.ccr_infonce_loss(t, v, axis_name=axis_name))
+            if self.use_ccr:
+                ccr.append(losses.ccr_infonce_loss(t, v, axis_name=axis_name))
         # Equal-weight mean of the pairs: 0.5/0.5 on CLEVR-Change, the single pair on DC (§4.3).
-        aux = {"dirl": sum(dirl) / len(dirl), "ccr": sum(ccr) / len(ccr)}
+        aux = {name: sum(terms) / len(terms) for name, terms in (("dirl", dirl), ("ccr", ccr))
+               if terms}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
 
     # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
