@@ -1,7 +1,8 @@
 """IDC-PCL (Yao et al., AAAI 2022): pretraining and fine-tuning; docs/official/idc_pcl.md §5.
 
-    python -m changecap_jax.main --config=configs/idc_pcl.py:pretrain[/DATASET] --workdir=P
-    python -m changecap_jax.main --config=configs/idc_pcl.py[:finetune[/DATASET]] \
+    python -m changecap_jax.main --config=configs/idc_pcl.py:pretrain[/DATASET[/ABLATION]] \
+        --workdir=P
+    python -m changecap_jax.main --config=configs/idc_pcl.py[:finetune[/DATASET[/ABLATION]]] \
         --config.init_from=P        (optional: fine-tune from the pretraining run in P)
 
 Pretraining presets (``pretrain/DATASET``; ``pretrain`` alone is the synthetic set), run by
@@ -56,6 +57,19 @@ Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic s
                               ROUGE-L as the early-stopping metric, semantic pairs only (the
                               dataset has no distractor pairs, so no distractor classifier loss).
 
+Ablations of the paper (Table 4, CLEVR-Change; here on every preset), appended as
+``STAGE/DATASET/NAME`` (table: docs/ablations.md; each switches exactly the fields ABLATIONS
+names, the synthetic set is named: ``finetune/synthetic/NAME``):
+  full (default)          line 4: the full model (pretraining MLM + MVCL + FDA).
+  no_difference_encoder   line 5: no image difference encoder (model.use_difference_encoder):
+                          the embedded image tokens go straight into the cross-modal
+                          transformer. Both stages: pretrain/DATASET/no_difference_encoder, then
+                          finetune/DATASET/no_difference_encoder from it.
+  no_distractor_judging   line 6, fine-tuning only: no distractor classifier loss (drops
+                          loss_weights.distractor); pretrain with pretrain/DATASET (line 4's).
+Lines 1-3 (the pretraining tasks) are ``--config.pretrain.tasks`` (above) and, for line 1, no
+pretraining at all (fine-tune without init_from).
+
 Batch: the official loader's 200 samples are single pairs with one sentence each, semantic and
 non-semantic mixed; an example here gives both its pairs, so CLEVR-Change's 200 samples are 100
 examples. Initialise from pretraining with ``--config.init_from=PRETRAIN_WORKDIR`` (every
@@ -108,7 +122,26 @@ def _paper_model() -> ml_collections.ConfigDict:
         # The official embedding; the CPU presets change both (CPU_EMBEDDING below).
         "image_feature_scale": 1.0,
         "type_embedding_std": 1.0,
+        # Table 4 lines 5-6 switches (the ABLATIONS below); True / True is the paper model.
+        "use_difference_encoder": True,
+        "distractor_judging": True,
     })
+
+
+# Ablation -> the dotted config fields it sets, and nothing else
+# (tests/test_idc_pcl_ablations.py); STAGE_ABLATIONS says in which stages each applies.
+ABLATIONS: dict[str, dict[str, object]] = {
+    "full": {},  # Table 4 line 4: MLM + MVCL + FDA pretraining, the difference encoder
+    # Line 5: no image difference encoder, in both stages (pretrain and fine-tune with it).
+    "no_difference_encoder": {"model.use_difference_encoder": False},
+    # Line 6: fine-tuning without the distractor judging task (line 4's pretraining).
+    "no_distractor_judging": {"model.distractor_judging": False,
+                              "loss_weights.distractor": common.DROP},
+}
+STAGE_ABLATIONS = {
+    "pretrain": ("full", "no_difference_encoder"),
+    "finetune": ("full", "no_difference_encoder", "no_distractor_judging"),
+}
 
 
 # dataset -> (warm-up steps, total steps, task ratio mlm:mvcl:fda)  (Table 6, §5.6)
@@ -170,10 +203,14 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
 
 def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
-    stage, dataset = common.split_preset(preset, "finetune")
-    dataset = dataset or "synthetic"
+    stage, rest = common.split_preset(preset, "finetune")
+    dataset, ablation = common.split_preset(rest, "synthetic")
+    ablation = ablation or "full"
     common.require_choice(stage, STAGES, "stage", "configs/idc_pcl.py",
-                          hint=" (as STAGE[/DATASET])")
+                          hint=" (as STAGE[/DATASET[/ABLATION]])")
+    if stage in STAGE_ABLATIONS:
+        common.require_choice(ablation, STAGE_ABLATIONS[stage], f"{stage} ablation",
+                              "configs/idc_pcl.py", shown=list(STAGE_ABLATIONS[stage]))
     config.model = _paper_model()
     config.model.stage = stage
     config.seed = 1234  # the official seed
@@ -211,7 +248,8 @@ def get_config(preset: str = "finetune") -> ml_collections.ConfigDict:
     config.init_exclude = ("pooler", "fgvc_")
     if stage == "pretrain":
         _pretraining(config, dataset)
-        return config
-    config.loss_weights = ({"distractor": 1.0} if config.model.pairs == "both" else {})
-    config.optim.zero_grad_rows = {}  # no padding_idx in the official embedding
+    else:
+        config.loss_weights = ({"distractor": 1.0} if config.model.pairs == "both" else {})
+        config.optim.zero_grad_rows = {}  # no padding_idx in the official embedding
+    common.set_fields(config, ABLATIONS[ablation])
     return config

@@ -52,6 +52,17 @@ learnt at the CPU budgets measured (up to 3000 fine-tuning steps): the training 
 memorising the training scenes, the held-out accuracy stays near 50%. Official checkpoints
 are converted only with scale 1.0.
 
+Ablations (paper Table 4 lines 5-6, docs/ablations.md; defaults = the full model)
+-------------------------------------------------------------------------------------
+``use_difference_encoder=False`` (line 5) removes the image difference encoder: I is the
+embedded [CLS1; img1; CLS2; img2] (each token as in step 1, before any encoder) and goes
+straight into the cross-modal transformer, in both stages; the model then has no
+``single_img_encoder`` / ``double_img_encoder`` parameters, and the cross-task FGVC heads read
+those embeddings. ``distractor_judging=False`` (line 6) trains fine-tuning without the
+distractor classifier's loss: ``aux_losses`` has no ``distractor`` (so
+``config.loss_weights`` must not name it); the pooler is still applied, so its parameters exist
+and evaluation's held-out distractor accuracy reports an untrained head (chance).
+
 Official checkpoints (yaolinli/IDC) convert with ``changecap_jax/convert/models/idc_pcl.py``.
 
 Memory and attention maps (``models/base.py``): ``encode`` returns I; ``decode`` sows, per
@@ -463,6 +474,9 @@ class IDCPCL(contract.TrunkModel, nn.Module):
     # type_pe starts as N(0, type_embedding_std^2).
     image_feature_scale: float = 1.0
     type_embedding_std: float = 1.0
+    # Table 4 lines 5 and 6 (module docstring, "Ablations"); True / True is the paper model.
+    use_difference_encoder: bool = True
+    distractor_judging: bool = True
 
     # ---- token layout ------------------------------------------------------------------------
 
@@ -517,8 +531,9 @@ class IDCPCL(contract.TrunkModel, nn.Module):
         block = functools.partial(
             Transformer, d, self.num_heads, self.ffn_dim, dropout_rate=self.dropout_rate
         )
-        self.single_img_encoder = block(num_layers=1)
-        self.double_img_encoder = block(num_layers=1)
+        if self.use_difference_encoder:
+            self.single_img_encoder = block(num_layers=1)
+            self.double_img_encoder = block(num_layers=1)
         self.encoder = block(num_layers=self.cross_layers)
         self.output_layer = TorchDense(self.num_tokens)
         self.pooler_0 = TorchDense(2)
@@ -555,17 +570,16 @@ class IDCPCL(contract.TrunkModel, nn.Module):
     def encode_images(self, img1: Array, img2: Array, *,
                       train: bool = False) -> tuple[Array, Array, Array]:
         """The single-image encodings [CLS1; img1], [CLS2; img2] (B, N+1, d) and the pair
-        encoding I (B, 2N+2, d)."""
+        encoding I (B, 2N+2, d). Without the difference encoder (Table 4 line 5) both
+        encoders are the identity: the embedded tokens and their concatenation."""
         det = not train
         b = img1.shape[0]
-        s1, _ = self.single_img_encoder(
-            jnp.concatenate([self._cls(b, TYPE_CLS1, det), self._image(img1, TYPE_IMG1, det)], 1),
-            deterministic=det,
-        )
-        s2, _ = self.single_img_encoder(
-            jnp.concatenate([self._cls(b, TYPE_CLS2, det), self._image(img2, TYPE_IMG2, det)], 1),
-            deterministic=det,
-        )
+        e1 = jnp.concatenate([self._cls(b, TYPE_CLS1, det), self._image(img1, TYPE_IMG1, det)], 1)
+        e2 = jnp.concatenate([self._cls(b, TYPE_CLS2, det), self._image(img2, TYPE_IMG2, det)], 1)
+        if not self.use_difference_encoder:
+            return e1, e2, jnp.concatenate([e1, e2], 1)
+        s1, _ = self.single_img_encoder(e1, deterministic=det)
+        s2, _ = self.single_img_encoder(e2, deterministic=det)
         out, _ = self.double_img_encoder(jnp.concatenate([s1, s2], 1), deterministic=det)
         return s1, s2, out
 
@@ -685,7 +699,8 @@ class IDCPCL(contract.TrunkModel, nn.Module):
                                         jnp.full((local_b,), label, jnp.int32))
             distractor_ce.append(jnp.sum(ce))
         aux = {}
-        if len(self.streams) > 1:  # with semantic pairs only there is nothing to classify
+        # With semantic pairs only there is nothing to classify; Table 4 line 6 trains without.
+        if len(self.streams) > 1 and self.distractor_judging:
             total = jnp.sum(jnp.stack(distractor_ce))
             if axis_name is not None:
                 total = jax.lax.psum(total, axis_name)
