@@ -11,10 +11,12 @@ Quirk ids (D-Q) refer to docs/official/dirl.md.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ TINY = dict(pairs="semantic_only", use_coordinates=False, hidden_dim=16, num_hea
             dropout_rate=0.0)
 
 
-def flatten(config) -> dict[str, object]:
+def flatten(config: ml_collections.ConfigDict) -> dict[str, object]:
     return flax.traverse_util.flatten_dict(config.to_dict(), sep=".")
 
 
@@ -136,25 +138,25 @@ def batch() -> dict[str, jax.Array]:
     return make_batch()
 
 
-def variant_model(ablation: str):
+def variant_model(ablation: str) -> tuple[ml_collections.ConfigDict, Any]:
     config = dirl_config.get_config(f"synthetic/{ablation}")
     config.model.update(TINY)
     return config, models.build(config.model, vocab_size=V, max_len=L)
 
 
 @pytest.fixture(scope="module")
-def params(batch) -> dict:
+def params(batch: dict) -> dict:
     _, full = variant_model("dirl_ccr")
     return full.init({"params": jax.random.key(0)}, batch, train=False)
 
 
 @pytest.fixture(scope="module")
-def full_output(batch, params):
+def full_output(batch: dict, params: dict) -> Any:
     _, full = variant_model("dirl_ccr")
     return full.apply(params, batch, train=False)
 
 
-def mlp_outputs(model, params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+def mlp_outputs(model: Any, params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
     enc = model.apply(params, batch["before"], batch["after_semantic"], method=lambda m, b, a:
                       m.encoder(m._features(b), m._features(a), train=False))
     return enc.mlp_before, enc.mlp_after

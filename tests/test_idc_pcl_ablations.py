@@ -11,10 +11,12 @@ Tiny sizes (hidden 16, 2x2 grid of 6 channels, batch 4, one cross-modal block): 
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ TINY = dict(hidden_dim=D, num_heads=2, ffn_dim=32, cross_layers=1, dropout_rate=
             image_dim=C, image_feature_scale=1.0, type_embedding_std=1.0)
 
 
-def flatten(config) -> dict[str, object]:
+def flatten(config: ml_collections.ConfigDict) -> dict[str, object]:
     return flax.traverse_util.flatten_dict(config.to_dict(), sep=".")
 
 
@@ -146,13 +148,13 @@ def batch() -> dict[str, jax.Array]:
     return make_batch()
 
 
-def variant_model(stage: str, ablation: str):
+def variant_model(stage: str, ablation: str) -> tuple[ml_collections.ConfigDict, Any]:
     config = idc_config.get_config(f"{stage}/clevr_change/{ablation}")
     config.model.update(TINY)
     return config, models.build(config.model, vocab_size=V, max_len=L)
 
 
-def init(model, batch: dict) -> dict:
+def init(model: Any, batch: dict) -> dict:
     if model.stage == "finetune":
         return model.init({"params": jax.random.key(0)}, batch, train=False)
     ids = batch["change_caption"]
