@@ -13,12 +13,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from ablation_helpers import assert_switches_exactly, flatten
 
 from changecap_jax import losses, models
 from configs import common
@@ -32,10 +32,6 @@ TINY = dict(pairs="semantic_only", use_coordinates=False, hidden_dim=16, num_hea
             dropout_rate=0.0)
 
 
-def flatten(config: ml_collections.ConfigDict) -> dict[str, object]:
-    return flax.traverse_util.flatten_dict(config.to_dict(), sep=".")
-
-
 # ---- presets --------------------------------------------------------------------------------
 
 
@@ -46,11 +42,7 @@ def test_each_ablation_switches_exactly_its_fields(dataset):
     for name, fields in dirl_config.ABLATIONS.items():
         config = dirl_config.get_config(f"{dataset}/{name}")
         got = flatten(config)
-        changed = {p for p in base.keys() | got.keys()
-                   if base.get(p, common.DROP) != got.get(p, common.DROP)}
-        assert changed == {p for p, v in fields.items() if base.get(p, common.DROP) != v}, name
-        for path, value in fields.items():
-            assert got.get(path, common.DROP) == value, (name, path)
+        assert_switches_exactly(base, got, fields, name, common.DROP)
         # The losses the model returns are the ones weighted (the trainer requires it).
         on = {"dirl": config.model.use_dirl, "ccr": config.model.use_ccr}
         assert set(config.loss_weights) == {loss for loss, used in on.items() if used}, name

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from ablation_helpers import assert_switches_exactly, flatten
 
 from changecap_jax import models
 from changecap_jax.models import idc_pcl
@@ -30,10 +30,6 @@ DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "ablations.md"
 B, G, C, L, V, D = 4, 2, 6, 8, 12, 16
 TINY = dict(hidden_dim=D, num_heads=2, ffn_dim=32, cross_layers=1, dropout_rate=0.0,
             image_dim=C, image_feature_scale=1.0, type_embedding_std=1.0)
-
-
-def flatten(config: ml_collections.ConfigDict) -> dict[str, object]:
-    return flax.traverse_util.flatten_dict(config.to_dict(), sep=".")
 
 
 # ---- presets --------------------------------------------------------------------------------
@@ -48,11 +44,7 @@ def test_each_ablation_switches_exactly_its_fields(stage, dataset):
         fields = idc_config.ABLATIONS[name]
         config = idc_config.get_config(f"{stage}/{dataset}/{name}")
         got = flatten(config)
-        changed = {p for p in base.keys() | got.keys()
-                   if base.get(p, common.DROP) != got.get(p, common.DROP)}
-        assert changed == {p for p, v in fields.items() if base.get(p, common.DROP) != v}, name
-        for path, value in fields.items():
-            assert got.get(path, common.DROP) == value, (name, path)
+        assert_switches_exactly(base, got, fields, name, common.DROP)
         # The trainer weights exactly the model's losses.
         judged = (stage == "finetune" and config.model.pairs == "both"
                   and config.model.distractor_judging)

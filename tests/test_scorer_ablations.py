@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pathlib
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ablation_helpers import assert_switches_exactly, flatten
 
 from changecap_jax import losses, models
 from changecap_jax.models.scorer import SCORERCBR
@@ -27,10 +27,6 @@ TINY = dict(hidden_dim=16, num_heads=4, encoder_heads=4, word_dim=8, encoder_lay
             decoder_layers=1, dropout_rate=0.0)
 
 
-def flatten(config) -> dict[str, object]:
-    return flax.traverse_util.flatten_dict(config.to_dict(), sep=".")
-
-
 # ---- presets --------------------------------------------------------------------------------
 
 
@@ -41,12 +37,7 @@ def test_each_ablation_switches_exactly_its_fields(dataset):
     for name, fields in scorer_config.ABLATIONS.items():
         config = scorer_config.get_config(f"{dataset}/{name}")
         got = flatten(config)
-        changed = {p for p in base.keys() | got.keys()
-                   if base.get(p, scorer_config.DROP) != got.get(p, scorer_config.DROP)}
-        assert changed == {p for p, v in fields.items()
-                           if base.get(p, scorer_config.DROP) != v}, name
-        for path, value in fields.items():
-            assert got.get(path, scorer_config.DROP) == value, (name, path)
+        assert_switches_exactly(base, got, fields, name, scorer_config.DROP)
         # The losses the model returns are the ones weighted (the trainer requires it).
         on = {"sim": config.model.use_sim, "cbr": config.model.use_cbr}
         assert set(config.loss_weights) == {loss for loss, used in on.items() if used}, name
