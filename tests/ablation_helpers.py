@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import flax
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 
 def flatten(config: ml_collections.ConfigDict) -> dict[str, object]:
@@ -22,3 +25,16 @@ def assert_switches_exactly(base: Mapping[str, object], got: Mapping[str, object
     assert changed == {p for p, v in fields.items() if base.get(p, drop) != v}, name
     for path, value in fields.items():
         assert got.get(path, drop) == value, (name, path)
+
+
+def semantic_batch(grid: tuple[int, int, int], caption_len: int, vocab_size: int,
+                   seed: int = 0) -> dict[str, jax.Array]:
+    """Four semantic pairs of random grids with captions of 5, 8, 3 and 6 tokens (START 2,
+    words from 4, END 3, then padding)."""
+    r = np.random.RandomState(seed)
+    ids = np.zeros((4, caption_len), np.int32)
+    for row, n in enumerate([5, 8, 3, 6]):
+        ids[row, 0], ids[row, 1:n - 1], ids[row, n - 1] = 2, r.randint(4, vocab_size, n - 2), 3
+    return {"before": jnp.asarray(r.rand(4, *grid), jnp.float32),
+            "after_semantic": jnp.asarray(r.rand(4, *grid), jnp.float32),
+            "change_caption": jnp.asarray(ids)}

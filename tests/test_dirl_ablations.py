@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from ablation_helpers import assert_switches_exactly, flatten
+from ablation_helpers import assert_switches_exactly, flatten, semantic_batch
 
 from changecap_jax import losses, models
 from configs import common
@@ -116,13 +116,7 @@ def test_dirl_loss_terms_equal_their_equation(on, alpha):
 
 
 def make_batch(seed: int = 0) -> dict[str, jax.Array]:
-    r = np.random.RandomState(seed)
-    ids = np.zeros((B, L), np.int32)
-    for row, n in enumerate([5, 8, 3, 6]):
-        ids[row, 0], ids[row, 1:n - 1], ids[row, n - 1] = 2, r.randint(4, V, n - 2), 3
-    return {"before": jnp.asarray(r.rand(B, H, W, C), jnp.float32),
-            "after_semantic": jnp.asarray(r.rand(B, H, W, C), jnp.float32),
-            "change_caption": jnp.asarray(ids)}
+    return semantic_batch((H, W, C), L, V, seed)
 
 
 @pytest.fixture(scope="module")
