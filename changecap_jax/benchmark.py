@@ -114,13 +114,9 @@ def dataset_setup(config: ml_collections.ConfigDict) -> Setup:
     step = train.make_train_step(exp.model, optimizer, dict(config.loss_weights), exp.mesh,
                                  dict(config.optim.zero_grad_rows), schedule,
                                  compute_dtype=exp.compute_dtype)
-    # One example's fields give the parameters' shapes (Trainer.init_state's example).
-    example = next(iter(pipeline.train_loader(exp.dataset.split("train"), global_batch_size=1,
-                                              seed=0, pair_fields=exp.dataset.pair_fields)))
-    state = train.init_train_state(exp.model, optimizer, pipeline.device_fields(example),
-                                   exp.mesh, jax.random.PRNGKey(config.seed))
+    state = train.fresh_state(exp, optimizer, jax.random.PRNGKey(config.seed))
     sharding = parallel.batch_sharding(exp.mesh)
-    iterator = iter(train_loader(exp))
+    iterator = iter(train.training_batches(exp))
     batches = [pipeline.to_global(next(iterator), sharding) for _ in range(WARMUP_BATCHES)]
     eval_batch = next(pipeline.eval_batches(
         exp.dataset.split("val"), global_batch_size=config.eval_batch_size))
@@ -129,16 +125,6 @@ def dataset_setup(config: ml_collections.ConfigDict) -> Setup:
     decode_inputs = {"before": arrays["before"], "after": arrays["after_semantic"],
                      "conditioning": {c: arrays[f"{c}_semantic"] for c in exp.conditioning}}
     return Setup(exp.model, step, state, batches, decode_inputs, exp.max_len, exp)
-
-
-def train_loader(exp: experiment.Experiment) -> pipeline.TrainLoader:
-    """This process's training batches as the trainer reads them (``config.data``)."""
-    config = exp.config
-    return pipeline.train_loader(
-        exp.dataset.split("train"), global_batch_size=config.batch_size, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        swap_prob=config.swap_prob, pair_fields=exp.dataset.pair_fields,
-        read=pipeline.read_ahead(config.get("data"), training=True))
 
 
 def synthetic_setup(config: ml_collections.ConfigDict, shapes: Any) -> Setup:
@@ -262,7 +248,7 @@ def time_input(exp: experiment.Experiment | None, batches: int) -> dict[str, Any
     if exp is None or batches <= 0:
         return {"input_examples_per_s": None, "input_batches": None}
     sharding = parallel.batch_sharding(exp.mesh)
-    iterator = iter(train_loader(exp))
+    iterator = iter(train.training_batches(exp))
     # The first batch opens the record files and starts grain's readers: not timed.
     jax.block_until_ready(pipeline.to_global(next(iterator), sharding))
     t0 = time.perf_counter()

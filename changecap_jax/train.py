@@ -229,6 +229,26 @@ def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: 
     return init()
 
 
+def fresh_state(exp: experiment.Experiment, optimizer: Any, rng: jax.Array) -> TrainState:
+    """Fresh parameters and optimiser state of ``exp``'s model, replicated over its mesh; one
+    training example of its dataset gives the shapes (:func:`init_train_state`)."""
+    example = next(iter(pipeline.train_loader(exp.dataset.split("train"), global_batch_size=1,
+                                              seed=0, pair_fields=exp.dataset.pair_fields)))
+    return init_train_state(exp.model, optimizer, pipeline.device_fields(example), exp.mesh,
+                            rng)
+
+
+def training_batches(exp: experiment.Experiment) -> pipeline.TrainLoader:
+    """This process's training batches of ``exp``, read as ``config.data`` says (workers,
+    threads, prefetch); the batches and the checkpointed position do not depend on it."""
+    config = exp.config
+    return pipeline.train_loader(
+        exp.dataset.split("train"), global_batch_size=config.batch_size, seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        swap_prob=config.swap_prob, pair_fields=exp.dataset.pair_fields,
+        read=pipeline.read_ahead(config.get("data"), training=True))
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -278,21 +298,12 @@ class Trainer:
         Only the shapes of a batch matter, so the example batch is made of zeros inside the
         jitted function (this also works when the mesh spans several processes).
         """
-        source = self.dataset.split("train")
-        example = next(iter(pipeline.train_loader(source, global_batch_size=1, seed=0,
-                                                  pair_fields=self.dataset.pair_fields)))
-        return init_train_state(self.model, self.optimizer, pipeline.device_fields(example),
-                                self.mesh, self.rng)
+        return fresh_state(self.experiment, self.optimizer, self.rng)
 
     def train_loader(self) -> pipeline.TrainLoader:
         """This process's training batches, read as ``config.data`` says (workers, threads,
         prefetch); the batches and the checkpointed position do not depend on it."""
-        return pipeline.train_loader(
-            self.dataset.split("train"), global_batch_size=self.config.batch_size,
-            seed=self.config.seed, process_index=jax.process_index(),
-            process_count=jax.process_count(), swap_prob=self.config.swap_prob,
-            pair_fields=self.dataset.pair_fields,
-            read=pipeline.read_ahead(self.config.get("data"), training=True))
+        return training_batches(self.experiment)
 
     def eval_batches(self, source: Any) -> Iterator[dict[str, Any]]:
         """This process's eval batches of ``source`` (``pipeline.eval_batches``), read as
