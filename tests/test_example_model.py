@@ -89,3 +89,16 @@ def test_exported_and_predicted(run, small_synthetic, tmp_path):
     assert {i: r.caption for i, r in zip(ids, results, strict=True)} == expected
     assert np.isclose(np.sum(json.loads(
         (tmp_path / "out" / "pair_0000.json").read_text())["heatmap_after"]), 1.0, atol=1e-4)
+
+
+def test_a_name_outside_the_trunk_is_checked_before_it_is_built():
+    with pytest.raises(models.UnknownModelError, match=r"unknown model 'nope'; known: \["):
+        models.model_class("nope")
+    with pytest.raises(models.UnknownModelError, match="cannot import no_such_module"):
+        models.model_class("no_such_module:Model")
+    with pytest.raises(models.UnknownModelError, match="has no class 'Nope'"):
+        models.model_class("example_model.gated_difference:Nope")
+    # A class that is no model: every contract member it lacks is named.
+    with pytest.raises(models.UnknownModelError, match=r"lacks \['MEMORY_LAYOUT', "
+                       r"'capabilities', 'streams'.*'decode'\]"):
+        models.model_class("json:JSONDecoder")

@@ -122,9 +122,13 @@ def model_streams(model: Any) -> tuple[str, ...]:
     return tuple(model.streams)
 
 
+# Read off the Protocol, so that this list cannot drift from it: its class constants, then its
+# properties and methods in the order they are declared.
+CONTRACT_MEMBERS = (*CaptionModel.__annotations__, *(
+    name for name in vars(CaptionModel) if not name.startswith("_") or name == "__call__"))
+
+
 def missing_members(cls: type) -> list[str]:
     """The members of :class:`CaptionModel` that the class ``cls`` lacks (empty: it
     satisfies the contract as far as a class can show)."""
-    members = ("MEMORY_LAYOUT", "capabilities", "streams", "decoding_rules", "extra_tokens",
-               "conditioning_shapes", "__call__", "encode", "init_cache", "decode_step", "decode")
-    return [m for m in members if not hasattr(cls, m)]
+    return [m for m in CONTRACT_MEMBERS if not hasattr(cls, m)]
