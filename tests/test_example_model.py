@@ -98,7 +98,7 @@ def test_a_name_outside_the_trunk_is_checked_before_it_is_built():
         models.model_class("no_such_module:Model")
     with pytest.raises(models.UnknownModelError, match="has no class 'Nope'"):
         models.model_class("example_model.gated_difference:Nope")
-    # A class that is no model: every contract member it lacks is named.
+    # A class that is no model: every contract member it lacks is named (it has a decode).
     with pytest.raises(models.UnknownModelError, match=r"lacks \['MEMORY_LAYOUT', "
-                       r"'capabilities', 'streams'.*'decode'\]"):
+                       r"'capabilities', 'streams'.*'init_cache', 'decode_step'\]"):
         models.model_class("json:JSONDecoder")
