@@ -1,12 +1,12 @@
 """The one training loop: start-up, restore or ``init_from``, steps, logging, evaluation,
 checkpoints and early stopping, for any :class:`Task`.
 
-A task (captioning: ``train.Trainer``; IDC-PCL pretraining:
-``models/idc_pcl_pretraining.py``) says what differs: its state, its checkpointed data streams,
-its update per step (possibly a task drawn per step), how a log window becomes scalars, and its
-evaluation. Everything else is here, once, so both tasks log the same timing scalars
-(``steps_per_second`` and ``examples_per_second``), check for a non-finite loss the same way,
-and save before re-raising a failed evaluation.
+A task (captioning: ``train.Trainer``; IDC-PCL pretraining: ``pretrain.PretrainTrainer``,
+whose losses live in ``models/idc_pcl_pretraining.py``) says what differs: its state, its
+checkpointed data streams, its update per step (possibly a task drawn per step), how a log
+window becomes scalars, and its evaluation. Everything else is here, once, so both tasks log
+the same timing scalars (``steps_per_second`` and ``examples_per_second``), check for a
+non-finite loss the same way, and save before re-raising a failed evaluation.
 
 Section numbers (§) refer to docs/official/ (see its README.md).
 """
