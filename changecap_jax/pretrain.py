@@ -102,8 +102,6 @@ from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.models.idc_pcl_pretraining import (  # noqa: F401  (re-exported)
     CONTRASTIVE_LOSSES,
-    EXTRA_FOLD,
-    REGION_MASK_PROBABILITY,
     TASKS,
     ClassifyLosses,
     PretrainError,

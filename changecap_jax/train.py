@@ -40,12 +40,10 @@ from changecap_jax import (
     precision,
 )
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.data.streams import DISTRACTOR_LABELS, STREAM_INPUTS  # noqa: F401
+from changecap_jax.data.streams import STREAM_INPUTS
 from changecap_jax.loop import (  # noqa: F401  (re-exported: the names' old home)
-    BEST_DIR,
     SCALARS_FILE,
     EarlyStopping,
-    NonFiniteLossError,
     init_params_from,
     selection_value,
 )
