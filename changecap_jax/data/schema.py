@@ -20,7 +20,14 @@ change_caption_ids         (N, L) int32           training targets, tokenised, z
 no_change_captions         (M,) string            captions of the distractor pair (optional)
 no_change_caption_ids      (M, L) int32           (optional)
 change_type                () int32               index into DatasetMeta.change_types, -1 none
-bbox_before, bbox_after    (4,) float32           changed object's [x, y, w, h] px (optional)
+bbox_before, bbox_after    (4,) float32           changed object's [x, y, w, h] px (optional;
+                                                  all -1: no such object in that image)
+viewpoint_iou_semantic     () float32             how far the camera moved between before and
+                                                  after_semantic: the mean IoU of the same
+                                                  objects' boxes in the two images (lower:
+                                                  larger change); NaN unknown (optional,
+                                                  ``changecap_jax/difficulty.py``)
+viewpoint_iou_distractor   () float32             the same for after_distractor (optional)
 =========================  =====================  ==========================================
 
 Datasets may add fields of their own (e.g. Spot-the-Diff's ``annotation_index``, the
@@ -77,8 +84,8 @@ def feature_dtype(name: str, where: str = "feature_dtype") -> type:
 
 def features(
     feature_shape: tuple[int, int, int], max_caption_len: int | None, *, with_distractor: bool,
-    with_boxes: bool = False, feature_dtype: type = np.float16,
-    extra: dict[str, tfds.features.FeatureConnector] | None = None,
+    with_boxes: bool = False, with_viewpoint_iou: bool = False,
+    feature_dtype: type = np.float16, extra: dict[str, tfds.features.FeatureConnector] | None = None,
 ) -> tfds.features.FeaturesDict:
     """The TFDS features of the record schema above (``max_caption_len`` None: variable)."""
     # float32 keeps TFDS's float-list encoding, so datasets built before half precision was
@@ -106,6 +113,9 @@ def features(
     if with_boxes:
         spec["bbox_before"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
         spec["bbox_after"] = tfds.features.Tensor(shape=(4,), dtype=np.float32)
+    if with_viewpoint_iou:
+        for stream in ("semantic", "distractor") if with_distractor else ("semantic",):
+            spec[f"viewpoint_iou_{stream}"] = tfds.features.Scalar(dtype=np.float32)
     spec.update(extra or {})
     return tfds.features.FeaturesDict(spec)
 
