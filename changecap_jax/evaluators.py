@@ -14,6 +14,9 @@ distractor judge runs everywhere, host bookkeeping on process 0 only) and
 - :class:`IdcProtocol`: the IDC code's scoring of the same captions, when
   ``config.eval_protocols`` includes "idc".
 - :class:`EntityOutput`: the retrieved entity texts of each pair, for datasets with entities.
+- :class:`DifficultyBins`: caption metrics per viewpoint-change bin and the pointing game at
+  the change words (``difficulty.py``), for datasets whose records carry viewpoint IoUs, when
+  ``config.difficulty_bins`` > 0.
 
 Section numbers (§) refer to docs/official/ (see its README.md).
 """
@@ -29,7 +32,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from changecap_jax import evaluation, precision
+from changecap_jax import difficulty, evaluation, explain, precision
 from changecap_jax.data import entity_inputs
 from changecap_jax.data.streams import DISTRACTOR_LABELS
 from changecap_jax.models import contract
@@ -49,7 +52,8 @@ class EvalBatch:
     ``params``: the state's parameters (uncast); ``arrays``: the global device inputs by field
     name; ``after``: stream -> its after-image field; ``real_rows``: the batch rows that are
     real pairs (process 0; None elsewhere); ``pairs``: (stream, host record, decoded caption)
-    of every real row and stream, in the order of the results (process 0; empty elsewhere).
+    of every real row and stream, in the order of the results (process 0; empty elsewhere);
+    ``decoded``: stream -> the decoded ids (B, L) of every row, on every process.
     """
 
     params: Any
@@ -57,6 +61,7 @@ class EvalBatch:
     after: dict[str, str]
     real_rows: np.ndarray | None
     pairs: list[tuple[str, dict, evaluation.PairCaption]]
+    decoded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 class Evaluator(Protocol):
@@ -154,8 +159,123 @@ class EntityOutput:
         return {}
 
 
+class DifficultyBins:
+    """Caption metrics per viewpoint-change bin of each stream, and the pointing game of the
+    decoder's attention at the change words on the semantic pairs' changed-object boxes
+    (``difficulty.py``; SCORER Fig. 6, DIRL Fig. 4)."""
+
+    def __init__(self, model: Any, compute_dtype: Any, dataset: Any, num_bins: int,
+                 conditioning: tuple[str, ...] = ()):
+        self.extra: dict[str, dict[str, Any]] = {}
+        self.num_bins, self.conditioning = num_bins, conditioning
+        self.id_to_word = dataset.vocab.id_to_word
+        self.image_size = dataset.meta.image_size
+        self.layout = explain.memory_layout(model)
+
+        def attention(params: Any, before: jax.Array, after: jax.Array, ids: jax.Array,
+                      conditioning: dict) -> jax.Array:
+            variables, before, after, conditioning = precision.cast_floating(
+                ({"params": params}, before, after, conditioning), compute_dtype)
+            return explain.query_attention(model, variables, before, after, ids, conditioning)
+
+        self.attention = jax.jit(attention)  # (B, L, M) per query
+
+    def start(self, split: str) -> None:
+        self.extra = {}
+        self.iou: dict[str, float] = {}  # image id -> viewpoint IoU
+        self.stream_of: dict[str, str] = {}
+        self.pointing: dict[str, tuple[float, float, int]] = {}  # image id -> score_pair
+        self.without_change_words = 0
+
+    def add(self, batch: EvalBatch) -> None:
+        for stream, record, caption in batch.pairs:
+            value = record.get(f"{difficulty.MEASURE}_{stream}")
+            self.iou[caption.image_id] = float(value) if value is not None else float("nan")
+            self.stream_of[caption.image_id] = stream
+        if self.image_size is None or "semantic" not in batch.decoded:
+            return
+        ids = batch.decoded["semantic"]
+        attention = to_host(self.attention(
+            batch.params, batch.arrays["before"], batch.arrays[batch.after["semantic"]],
+            jnp.asarray(ids, jnp.int32),
+            {c: batch.arrays[f"{c}_semantic"] for c in self.conditioning}))
+        if batch.real_rows is None:
+            return
+        semantic = [(r, c) for s, r, c in batch.pairs if s == "semantic"]
+        grid = tuple(batch.arrays["before"].shape[1:3])
+        for j, (record, caption) in zip(batch.real_rows, semantic, strict=True):
+            self._point(ids[j], attention[j], record, caption.image_id, grid)
+
+    def _point(self, ids: np.ndarray, attention: np.ndarray, record: dict, image_id: str,
+               grid: tuple[int, int]) -> None:
+        boxes = (record.get("bbox_before"), record.get("bbox_after"))
+        if not any(difficulty.is_box(b) for b in boxes):
+            return
+        queries = difficulty.change_word_queries(ids, self.id_to_word)
+        if len(queries) == 0:
+            self.without_change_words += 1
+            return
+        maps = explain.grid_maps(self.layout, attention[queries].mean(axis=0)[None], grid)
+        self.pointing[image_id] = difficulty.score_pair((maps.before[0], maps.after[0]), boxes,
+                                                        self.image_size)
+
+    def finish(self, records: list[evaluation.PairCaption]) -> dict[str, Any]:
+        by_id = {r.image_id: r for r in records}
+        bins: dict[str, list[list[str]]] = {}
+        for stream in dict.fromkeys(self.stream_of.values()):
+            ids = [i for i, s in self.stream_of.items() if s == stream]
+            groups = difficulty.quantile_bins([self.iou[i] for i in ids], self.num_bins)
+            if groups:
+                bins[stream] = [[ids[k] for k in group] for group in groups]
+        if not bins:
+            return {}
+        tokenized = evaluation.tokenize_captions(
+            {i: by_id[i].caption for i in self.iou}, {i: by_id[i].references for i in self.iou})
+        scores = evaluation.score_tokenized(
+            tokenized, {f"{s}/{k}": ids for s, groups in bins.items()
+                        for k, ids in enumerate(groups)}, spice="off")
+        entry: dict[str, Any] = {"measure": difficulty.MEASURE, "num_bins": self.num_bins,
+                                 "bins": {s: [self._bin(ids, scores[f"{s}/{k}"], s)
+                                              for k, ids in enumerate(groups)]
+                                          for s, groups in bins.items()}}
+        self._per_pair_extra()
+        if self.pointing or self.without_change_words:
+            entry["pointing"] = dict(self._pointing(list(self.pointing)),
+                                     num_pairs=len(self.pointing),
+                                     pairs_without_change_words=self.without_change_words)
+        return {"difficulty": entry}
+
+    def _per_pair_extra(self) -> None:
+        """Each pair's IoU (and pointing x100) beside its caption."""
+        self.extra = {i: {difficulty.MEASURE: v} for i, v in self.iou.items() if np.isfinite(v)}
+        for i, (hits, _, boxes) in self.pointing.items():
+            self.extra.setdefault(i, {})["pointing"] = 100.0 * hits / boxes
+
+    def _bin(self, ids: list[str], scores: dict[str, float], stream: str) -> dict[str, Any]:
+        values = [self.iou[i] for i in ids]
+        row: dict[str, Any] = {"iou_low": min(values), "iou_high": max(values),
+                               "num_pairs": len(ids)}
+        row.update({k: 100.0 * v for k, v in scores.items()})
+        if stream == "semantic" and (self.pointing or self.without_change_words):
+            row.update(self._pointing([i for i in ids if i in self.pointing]))
+        return row
+
+    def _pointing(self, ids: list[str]) -> dict[str, Any]:
+        """Pointing and attention in the boxes x100 over ``ids``' boxes (None without any)."""
+        hits, mass, boxes = (sum(self.pointing[i][k] for i in ids) for k in range(3))
+        return {"pointing": 100.0 * hits / boxes if boxes else None,
+                "attention_in_box": 100.0 * mass / boxes if boxes else None,
+                "num_boxes": int(boxes)}
+
+
+def has_viewpoint_iou(dataset: Any) -> bool:
+    """Whether the dataset's records carry a viewpoint IoU (``data/schema.py``)."""
+    return any(key.startswith(difficulty.MEASURE + "_")
+               for key in dataset.builder.info.features.keys())
+
+
 def choose(config: ml_collections.ConfigDict, dataset: Any, model: Any, compute_dtype: Any,
-           streams: tuple[str, ...]) -> list[Evaluator]:
+           streams: tuple[str, ...], conditioning: tuple[str, ...] = ()) -> list[Evaluator]:
     """The evaluators of a run, in the order their metrics are written."""
     chosen: list[Evaluator] = [CaptionMetrics(config.spice, dataset)]
     if "distractor" in streams and contract.has_capability(model, contract.CLASSIFY_DISTRACTOR):
@@ -164,4 +284,7 @@ def choose(config: ml_collections.ConfigDict, dataset: Any, model: Any, compute_
         chosen.append(IdcProtocol())
     if dataset.entities is not None:
         chosen.append(EntityOutput(dataset.entities))
+    if config.get("difficulty_bins", 0) > 0 and has_viewpoint_iou(dataset):
+        chosen.append(DifficultyBins(model, compute_dtype, dataset, config.difficulty_bins,
+                                     conditioning))
     return chosen

@@ -36,24 +36,50 @@ def _variables(variables: Any) -> dict:
     return {k: v for k, v in dict(variables).items() if k != "cache"}
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _word_attention(model: nn.Module, variables: Any, before: Any, after: Any,
-                    ids: Array, conditioning: dict) -> Array:
-    """(B, M): cross-attention from the positions that predicted ``ids``' words to the memory,
-    averaged over layers, heads and those positions."""
+def query_attention(model: nn.Module, variables: Any, before: Any, after: Any, ids: Array,
+                    conditioning: dict) -> Array:
+    """(B, L, M): the decoder's cross-attention from each position of ``ids`` (teacher-forced)
+    to the memory, averaged over heads and decoder layers. Query t predicts token t + 1."""
     memory = model.apply(variables, before, after, method="encode", **conditioning)
     _, state = model.apply(variables, memory, ids, method="decode", mutable=[ATTENTION])
     probs = jax.tree_util.tree_leaves(state[ATTENTION])
     if not probs:
         raise ValueError(f"{type(model).__name__}'s decoder sows no cross-attention into the "
                          f"{ATTENTION!r} collection (see changecap_jax/models/base.py)")
-    per_query = jnp.mean(jnp.stack([p.astype(jnp.float32).mean(axis=1) for p in probs]), axis=0)
-    # Query t predicts token t + 1: the queries 0..n predicted the n words and END. Decoded ids
-    # hold 0 from END on, so n = the count of non-zero ids after START (capped by the length).
+    return jnp.mean(jnp.stack([p.astype(jnp.float32).mean(axis=1) for p in probs]), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _word_attention(model: nn.Module, variables: Any, before: Any, after: Any,
+                    ids: Array, conditioning: dict) -> Array:
+    """(B, M): cross-attention from the positions that predicted ``ids``' words to the memory,
+    averaged over layers, heads and those positions."""
+    per_query = query_attention(model, variables, before, after, ids, conditioning)
+    # The queries 0..n predicted the n words and END. Decoded ids hold 0 from END on, so
+    # n = the count of non-zero ids after START (capped by the length).
     words = jnp.sum(ids[:, 1:] != 0, axis=1)
     n_queries = jnp.minimum(words + 1, ids.shape[1] - 1)
     used = (jnp.arange(ids.shape[1])[None, :] < n_queries[:, None]).astype(jnp.float32)
     return jnp.einsum("bq,bqm->bm", used, per_query) / n_queries[:, None]
+
+
+def memory_layout(model: nn.Module) -> str:
+    """The model's ``MEMORY_LAYOUT`` (``models/base.py``), checked."""
+    layout = getattr(type(model), "MEMORY_LAYOUT", None)
+    if layout not in MEMORY_LAYOUTS:
+        raise ValueError(f"{type(model).__name__}.MEMORY_LAYOUT is {layout!r}; expected one of "
+                         f"{MEMORY_LAYOUTS} (see changecap_jax/models/base.py)")
+    return layout
+
+
+def grid_maps(layout: str, weights: np.ndarray, grid: tuple[int, int]) -> AttentionMaps:
+    """Memory weights (B, M) laid out on the (H, W) grid of each image by ``layout``, each
+    map normalised to sum 1 (a shared-grid memory gives the same map for both images)."""
+    cells = grid[0] * grid[1]
+    before = _normalise(weights[:, :cells].reshape(-1, *grid))
+    if layout == "shared_grid":
+        return AttentionMaps(before, before)
+    return AttentionMaps(before, _normalise(weights[:, cells:2 * cells].reshape(-1, *grid)))
 
 
 def attention_maps(model: nn.Module, variables: Any, before: Any, after: Any,
@@ -63,20 +89,11 @@ def attention_maps(model: nn.Module, variables: Any, before: Any, after: Any,
     (B, H, W, C), as the module docstring defines them (teacher-forced over ``ids``, which
     gives the cached decoder's attention exactly: the positions used see only real words).
     ``conditioning``: the pairs' extra inputs for models that declare some (e.g. entities)."""
-    layout = getattr(type(model), "MEMORY_LAYOUT", None)
-    if layout not in MEMORY_LAYOUTS:
-        raise ValueError(f"{type(model).__name__}.MEMORY_LAYOUT is {layout!r}; expected one of "
-                         f"{MEMORY_LAYOUTS} (see changecap_jax/models/base.py)")
-    height, width = np.shape(before)[1:3]
-    cells = height * width
+    layout = memory_layout(model)
     weights = np.asarray(_word_attention(model, _variables(variables), before, after,
                                          jnp.asarray(ids, jnp.int32),
                                          dict(conditioning or {})))
-    if layout == "shared_grid":
-        grid = weights[:, :cells].reshape(-1, height, width)
-        return AttentionMaps(_normalise(grid), _normalise(grid))
-    return AttentionMaps(_normalise(weights[:, :cells].reshape(-1, height, width)),
-                         _normalise(weights[:, cells:2 * cells].reshape(-1, height, width)))
+    return grid_maps(layout, weights, tuple(np.shape(before)[1:3]))
 
 
 def _normalise(maps: np.ndarray) -> np.ndarray:

@@ -376,7 +376,7 @@ class Trainer:
         """What an evaluation computes beside the captions (``evaluators.choose``; built once,
         so the distractor judge compiles once)."""
         return evaluators.choose(self.config, self.dataset, self.model, self.compute_dtype,
-                                 self.eval_streams())
+                                 self.eval_streams(), tuple(self.conditioning))
 
     def eval_streams(self) -> tuple[str, ...]:
         return tuple(s for s in STREAM_INPUTS if s in self.model_streams())
@@ -408,7 +408,8 @@ class Trainer:
                      if self.is_main else [])
             view = evaluators.EvalBatch(state.params, arrays,
                                         {s: STREAM_INPUTS[s][0] for s in streams},
-                                        real_rows if self.is_main else None, pairs)
+                                        real_rows if self.is_main else None, pairs,
+                                        decoded)
             for evaluator in self.evaluators:
                 evaluator.add(view)
             records.extend(caption for _, _, caption in pairs)
@@ -419,7 +420,8 @@ class Trainer:
         extra: dict[str, dict[str, Any]] = {}  # per pair: the inputs beside the images
         for evaluator in self.evaluators:
             metrics.update(evaluator.finish(records))
-            extra.update(evaluator.extra)
+            for image_id, fields in evaluator.extra.items():
+                extra.setdefault(image_id, {}).update(fields)
         evaluation.write_results(self.workdir, split, step, records, metrics, extra=extra)
         self._log_evaluation(split, step, records, metrics, extra, writer)
         _share_from_main(selection_value(metrics, self.selection_metric))

@@ -112,6 +112,10 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     # "coco" (pycocoevalcap as SCORER/DIRL) always; add "idc" to also score the captions the
     # IDC-PCL code's way (whitespace tokens, no PTB tokenizer), written under metrics["idc"].
     config.eval_protocols = ("coco",)
+    # Caption metrics per viewpoint-change bin (this many quantile bins of the pairs' viewpoint
+    # IoU) and the pointing game, where the records carry the IoU (synthetic set; CLEVR-Change
+    # with its IoU file). 0 = off. metrics["difficulty"]; docs/evaluation.md.
+    config.difficulty_bins = 4
     # Initialise from another run's latest checkpoint (parameters with the same path and
     # shape; paths containing an init_exclude entry stay fresh). Empty = no.
     config.init_from = ""

@@ -85,7 +85,8 @@ def feature_dtype(name: str, where: str = "feature_dtype") -> type:
 def features(
     feature_shape: tuple[int, int, int], max_caption_len: int | None, *, with_distractor: bool,
     with_boxes: bool = False, with_viewpoint_iou: bool = False,
-    feature_dtype: type = np.float16, extra: dict[str, tfds.features.FeatureConnector] | None = None,
+    feature_dtype: type = np.float16,
+    extra: dict[str, tfds.features.FeatureConnector] | None = None,
 ) -> tfds.features.FeaturesDict:
     """The TFDS features of the record schema above (``max_caption_len`` None: variable)."""
     # float32 keeps TFDS's float-list encoding, so datasets built before half precision was

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
+from changecap_jax import difficulty
 from changecap_jax.data import schema
 from changecap_jax.data.synthetic import render, scenes
 from changecap_jax.data.vocab import (
@@ -195,18 +196,29 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
                           if ex.changed_index_before >= 0 else missing)
     out["bbox_after"] = (np.asarray(boxes["after_semantic"][ex.changed_index_after], np.float32)
                          if ex.changed_index_after >= 0 else missing)
+    out["viewpoint_iou_semantic"] = np.float32(difficulty.mean_box_iou(
+        [(boxes["before"][i], boxes["after_semantic"][j]) for i, j in scenes.same_objects(ex)]))
+    out["viewpoint_iou_distractor"] = np.float32(difficulty.mean_box_iou(
+        list(zip(boxes["before"], boxes["after_distractor"], strict=True))))
     return out
+
+
+# Record fields measured on the rendered images, beside the feature grids.
+RENDERED_FIELDS = ("bbox_before", "bbox_after", "viewpoint_iou_semantic",
+                   "viewpoint_iou_distractor")
 
 
 class SyntheticChange(schema.RecordBuilder):
     """CLEVR-Change-like synthetic pairs: semantic changes among viewpoint/light distractors."""
 
-    VERSION = tfds.core.Version("1.2.0")
+    VERSION = tfds.core.Version("1.3.0")
     RELEASE_NOTES = {
         "1.0.0": "First release.",
         "1.1.0": "Grid features scaled to about unit RMS (grid_features.GAIN).",
         "1.2.0": "feature_dtype option (float32 / float16 / bfloat16); half precision stored "
                  "as 2-byte values (1.1.0 widened float16 to 4-byte floats).",
+        "1.3.0": "viewpoint_iou_semantic / viewpoint_iou_distractor per record (the "
+                 "difficulty-binned evaluation); every other field as in 1.2.0.",
     }
     # Render processes; None: one per core (at most 8); 0: render in this process (debugging).
     num_workers: int | None = None
@@ -220,7 +232,7 @@ class SyntheticChange(schema.RecordBuilder):
             description=__doc__,
             features=schema.features(
                 cfg.feature_shape, cfg.max_caption_len, with_distractor=True, with_boxes=True,
-                feature_dtype=schema.feature_dtype(cfg.feature_dtype),
+                with_viewpoint_iou=True, feature_dtype=schema.feature_dtype(cfg.feature_dtype),
             ),
         )
 
@@ -295,8 +307,7 @@ class SyntheticChange(schema.RecordBuilder):
                 "no_change_captions": np.array(ex.no_change_captions, dtype=object),
                 "no_change_caption_ids": self._encode(ex.no_change_captions, where, unknown),
                 "change_type": scenes.CHANGE_TYPES.index(ex.change_type),
-                "bbox_before": rendered["bbox_before"],
-                "bbox_after": rendered["bbox_after"],
+                **{k: rendered[k] for k in RENDERED_FIELDS},
             }
             schema.check_record(record, cfg.feature_shape, cfg.max_caption_len, where)
             yield i, record

@@ -251,6 +251,17 @@ def apply_change(
     raise ValueError(f"unknown change type {change_type!r}; expected one of {CHANGE_TYPES}")
 
 
+def same_objects(ex: Example) -> list[tuple[int, int]]:
+    """(index in ``before``, index in ``after``) of every object the semantic change left
+    untouched: the viewpoint IoU compares their boxes (``changecap_jax/difficulty.py``)."""
+    changed = ex.changed_index_before
+    if ex.change_type == "add":
+        return [(i, i) for i in range(len(ex.before))]
+    if ex.change_type == "drop":
+        return [(i, i if i < changed else i - 1) for i in range(len(ex.before)) if i != changed]
+    return [(i, i) for i in range(len(ex.before)) if i != changed]
+
+
 def _describe(rng: np.random.Generator, obj: SceneObject, mentions: tuple[str, ...]) -> str:
     words = []
     if "size" in mentions:
