@@ -70,15 +70,28 @@ class PairSpec:
 
 @dataclasses.dataclass
 class Annotations:
-    """A dataset's raw annotations: the records of each split, and what was left out."""
+    """A dataset's raw annotations: the records of each split, what was left out, and the
+    (H, W) image size the records' boxes are measured in (None: no boxes)."""
 
     splits: dict[str, list[PairSpec]]
     change_types: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    image_size: tuple[int, int] | None = None
 
     def all_specs(self) -> Iterator[PairSpec]:
         for split in self.splits.values():
             yield from split
+
+
+def load_json(path: Path, what: str) -> object:
+    """A JSON file's content; a missing or unparsable file is a :class:`BuildError` naming
+    ``what`` ("split file") and the path."""
+    if not path.is_file():
+        raise BuildError(f"missing {what}: {path}")
+    try:
+        return read_json(path, what)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
 
 
 def find_annotation_dir(raw_dir: Path, subdirs: Sequence[str], names: Sequence[str],
@@ -246,6 +259,15 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
         """TFDS features of the dataset's own record fields (``PairSpec.extra``)."""
         return {}
 
+    def has_boxes(self) -> bool:
+        """Whether the records carry ``bbox_before`` / ``bbox_after`` (schema.py); decided
+        before the annotations are read (the features spec is made first)."""
+        return False
+
+    def has_viewpoint_iou(self) -> bool:
+        """Whether the records carry ``viewpoint_iou_*`` (schema.py); as :meth:`has_boxes`."""
+        return False
+
     def feature_names(self, image_rel: str) -> list[str]:
         """Image file names whose ``<name>.npy`` may hold an image's features, in order of
         preference (a dataset whose official features were named after renamed images adds
@@ -270,6 +292,7 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             description=self.__doc__,
             features=schema.features(
                 self.feature_shape, None, with_distractor=self.HAS_DISTRACTOR,
+                with_boxes=self.has_boxes(), with_viewpoint_iou=self.has_viewpoint_iou(),
                 feature_dtype=schema.feature_dtype(cfg.feature_dtype),
                 extra=self.extra_features(),
             ),
@@ -315,6 +338,7 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
             split_sizes={k: len(v) for k, v in ann.splits.items()},
             tokenizer=self.TOKENIZER, main_metrics=list(self.MAIN_METRICS),
             protocol=self.PROTOCOL, skipped=dict(ann.skipped), feature_dtype=cfg.feature_dtype,
+            image_size=ann.image_size,
         ).save(data_dir / schema.META_FILE)
         for reason, n in sorted(ann.skipped.items()):
             logging.warning("%s: skipped %d: %s", self.name, n, reason)

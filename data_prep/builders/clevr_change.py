@@ -17,27 +17,37 @@ vocabulary as SCORER / DIRL (train change + no-change captions, threshold 1, sor
 padded to the longest over all splits (24 tokens for the real data). Features: ResNet-101
 layer3 (1024 x 14 x 14), or the official ``features/``, ``sc_features/``, ``nsc_features/``
 folders of ``<png name>.npy``.
+
+When the download's ``change_captions_with_bbox.json`` and ``change_captions_by_IOU.json`` are
+present, every record also carries the changed object's boxes (``bbox_before``,
+``bbox_after``: [x, y, w, h] px, -1 where absent) and the semantic pair's viewpoint-change IoU
+(``viewpoint_iou_semantic``; ``viewpoint_iou_distractor`` is NaN, the file has none), which the
+difficulty-binned evaluation and its pointing game read (docs/evaluation.md); ``meta.json``
+then records the (H, W) image size the boxes refer to (``clevr_change_boxes.py``). Without the
+files the records and their spec are those of version 1.1.0.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
+from typing import Any
+
+import tensorflow_datasets as tfds
 
 from changecap_jax.data.synthetic.scenes import CHANGE_TYPES
-from changecap_jax.jsonio import read_json
-from data_prep.builders.base import SPLITS, Annotations, BuildError, PairDatasetBuilder, PairSpec
+from data_prep.builders import clevr_change_boxes as boxes
+from data_prep.builders.base import (
+    SPLITS,
+    Annotations,
+    BuildError,
+    PairDatasetBuilder,
+    PairSpec,
+    load_json,
+)
 
 IMAGE_PATTERN = re.compile(r"^CLEVR_default_(\d+)\.png$")
-
-
-def load_json(path: Path, what: str) -> object:
-    if not path.is_file():
-        raise BuildError(f"missing {what}: {path}")
-    try:
-        return read_json(path, what)
-    except ValueError as e:
-        raise BuildError(str(e)) from e
 
 
 def read_splits(path: Path) -> dict[str, list[int]]:
@@ -98,9 +108,57 @@ def resolve_raw_dir(raw_dir: Path, marker: str) -> Path:
     return raw_dir
 
 
-class ClevrChange(PairDatasetBuilder):
-    """CLEVR-Change: before / semantic-after / distractor-after triplets."""
+def check_annotated_ids(raw_dir: Path, splits: dict[str, list[int]], types: dict[int, int],
+                         captions: dict[str, dict[int, list[str]]]) -> set[int]:
+    """The ids of ``splits.json``; each must have a type, and every captioned id a split."""
+    split_ids = {i for ids in splits.values() for i in ids}
+    for i in sorted(split_ids ^ set(types))[:1]:
+        where = "splits.json" if i in split_ids else "type_mapping.json"
+        other = "type_mapping.json" if i in split_ids else "splits.json"
+        raise BuildError(f"{raw_dir}: id {i} ('{i:06d}.png') is in {where} but not in "
+                         f"{other}")
+    for fname, by_id in captions.items():
+        outside = sorted(set(by_id) - split_ids)
+        if outside:
+            raise BuildError(f"{raw_dir / fname}: {len(outside)} captioned id(s) are in "
+                             f"no split of splits.json, e.g. CLEVR_default_"
+                             f"{outside[0]:06d}.png")
+    return split_ids
 
+
+def pair_spec(raw_dir: Path, i: int, split: str, types: dict[int, int],
+              captions: dict[str, dict[int, list[str]]]) -> PairSpec:
+    """The record of id ``i``: its three images, both pairs' captions and its change type."""
+    name = f"CLEVR_default_{i:06d}.png"
+    for fname, by_id in captions.items():
+        if i not in by_id:
+            raise BuildError(f"{raw_dir / fname}: no captions for {name} ({split} id {i})")
+    return PairSpec(
+        id=i, image_id=f"{i:06d}.png",
+        images={"before": f"images/{name}",
+                "after_semantic": f"sc_images/CLEVR_semantic_{i:06d}.png",
+                "after_distractor": f"nsc_images/CLEVR_nonsemantic_{i:06d}.png"},
+        change_captions=captions["change_captions.json"][i],
+        no_change_captions=captions["no_change_captions.json"][i],
+        change_type=types[i])
+
+
+class ClevrChange(PairDatasetBuilder):
+    """CLEVR-Change: before / semantic-after / distractor-after triplets.
+
+    Beside the base builder's arguments: ``image_size`` (H, W), what the boxes of
+    ``change_captions_with_bbox.json`` refer to when the raw directory has no before image to
+    read it from (default: CLEVR's render size, ``clevr_change_boxes.CLEVR_IMAGE_SIZE``).
+    """
+
+    VERSION = tfds.core.Version("1.2.0")
+    RELEASE_NOTES = {
+        **PairDatasetBuilder.RELEASE_NOTES,
+        "1.2.0": "Records carry bbox_before / bbox_after and viewpoint_iou_semantic / "
+                 "viewpoint_iou_distractor when the raw download has "
+                 "change_captions_with_bbox.json / change_captions_by_IOU.json; meta.json "
+                 "then records image_size. Unchanged without those files.",
+    }
     HAS_DISTRACTOR = True
     PROTOCOL = ("both pairs of every test id (semantic '%06d.png', distractor '%06d.png_n'); "
                 "references: all captions of the pair; rows total / semantic / no-change and "
@@ -108,43 +166,40 @@ class ClevrChange(PairDatasetBuilder):
     FEATURE_SUBDIRS = {"images": "features", "sc_images": "sc_features",
                        "nsc_images": "nsc_features"}
 
+    def __init__(self, *, image_size: tuple[int, int] | None = None, **kwargs: Any):
+        if image_size is not None and (
+                len(image_size) != 2 or not all(isinstance(v, int) and v > 0
+                                                for v in image_size)):
+            raise ValueError(f"image_size must be (H, W), two positive ints, got {image_size!r}")
+        self.image_size = tuple(image_size) if image_size is not None else None
+        super().__init__(**kwargs)
+
+    def _raw_file(self, name: str) -> Path | None:
+        """``name`` in the raw directory (or its ``data/``), if it is there."""
+        if self.raw_dir is None:
+            return None
+        path = resolve_raw_dir(self.raw_dir, "splits.json") / name
+        return path if path.is_file() else None
+
+    def has_boxes(self) -> bool:
+        return self._raw_file(boxes.BOX_FILE) is not None
+
+    def has_viewpoint_iou(self) -> bool:
+        return self._raw_file(boxes.IOU_FILE) is not None
+
     def read_annotations(self, raw_dir: Path) -> Annotations:
         raw_dir = resolve_raw_dir(raw_dir, "splits.json")
         self.raw_dir = raw_dir
         splits = read_splits(raw_dir / "splits.json")
         types = read_type_mapping(raw_dir / "type_mapping.json")
-        change = read_captions(raw_dir / "change_captions.json", "change captions")
-        no_change = read_captions(raw_dir / "no_change_captions.json", "no-change captions")
-        split_ids = {i for ids in splits.values() for i in ids}
-        for i in sorted(split_ids ^ set(types))[:1]:
-            where = "splits.json" if i in split_ids else "type_mapping.json"
-            other = "type_mapping.json" if i in split_ids else "splits.json"
-            raise BuildError(f"{raw_dir}: id {i} ('{i:06d}.png') is in {where} but not in "
-                             f"{other}")
-        for captions, fname in ((change, "change_captions.json"),
-                                (no_change, "no_change_captions.json")):
-            outside = sorted(set(captions) - split_ids)
-            if outside:
-                raise BuildError(f"{raw_dir / fname}: {len(outside)} captioned id(s) are in "
-                                 f"no split of splits.json, e.g. CLEVR_default_"
-                                 f"{outside[0]:06d}.png")
-        specs: dict[str, list[PairSpec]] = {}
-        for split, ids in splits.items():
-            specs[split] = []
-            for i in ids:
-                name = f"CLEVR_default_{i:06d}.png"
-                for captions, fname in ((change, "change_captions.json"),
-                                        (no_change, "no_change_captions.json")):
-                    if i not in captions:
-                        raise BuildError(f"{raw_dir / fname}: no captions for {name} "
-                                         f"({split} id {i})")
-                specs[split].append(PairSpec(
-                    id=i, image_id=f"{i:06d}.png",
-                    images={"before": f"images/{name}",
-                            "after_semantic": f"sc_images/CLEVR_semantic_{i:06d}.png",
-                            "after_distractor": f"nsc_images/CLEVR_nonsemantic_{i:06d}.png"},
-                    change_captions=change[i], no_change_captions=no_change[i],
-                    change_type=types[i]))
+        captions = {
+            "change_captions.json": read_captions(raw_dir / "change_captions.json",
+                                                  "change captions"),
+            "no_change_captions.json": read_captions(raw_dir / "no_change_captions.json",
+                                                     "no-change captions")}
+        split_ids = check_annotated_ids(raw_dir, splits, types, captions)
+        specs = {split: [pair_spec(raw_dir, i, split, types, captions) for i in ids]
+                 for split, ids in splits.items()}
         skipped: dict[str, int] = {}
         if (raw_dir / "images").is_dir():
             unannotated = sum(
@@ -152,4 +207,26 @@ class ClevrChange(PairDatasetBuilder):
                 if (m := IMAGE_PATTERN.match(p.name)) and int(m.group(1)) not in split_ids)
             if unannotated:
                 skipped["images in neither splits.json nor type_mapping.json"] = unannotated
-        return Annotations(specs, list(CHANGE_TYPES), skipped)
+        ann = Annotations(specs, list(CHANGE_TYPES), skipped)
+        self._attach_boxes_and_ious(ann)
+        return ann
+
+    def _attach_boxes_and_ious(self, ann: Annotations) -> None:
+        """The optional box and IoU files -> record fields, and the boxes' image size."""
+        if self.has_boxes():
+            boxes.attach_boxes(ann.all_specs(), self._raw_file(boxes.BOX_FILE), ann.skipped)
+            ann.image_size = self._boxes_image_size(ann)
+        if self.has_viewpoint_iou():
+            boxes.attach_ious(ann.all_specs(), self._raw_file(boxes.IOU_FILE), ann.skipped)
+
+    def _boxes_image_size(self, ann: Annotations) -> tuple[int, int]:
+        """(H, W) of the first before image, else the ``image_size`` option, else CLEVR's."""
+        first = next(ann.all_specs(), None)
+        image = self.raw_dir / first.images["before"] if first is not None else None
+        if image is None or not image.is_file():
+            return self.image_size or boxes.CLEVR_IMAGE_SIZE
+        size = boxes.image_size(image)
+        if self.image_size is not None and self.image_size != size:
+            logging.warning("%s: image_size %s differs from %s's %s; the image's is kept",
+                            self.name, self.image_size, image, size)
+        return size
