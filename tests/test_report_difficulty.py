@@ -176,3 +176,20 @@ def test_no_section_without_the_entry_and_nothing_else_changes():
     assert cut.replace('<a href="#difficulty">Difficulty</a>', "", 1) == without
     # The entry is no row of the metric table.
     assert 'data-row="difficulty"' not in with_entry
+
+
+def test_shared_ranges_one_label_line_and_odd_entries():
+    shared = [a_bin(0.1, 0.5, 4, 50.0, 20.0, boxes=False), a_bin(0.5, 0.9, 4, 60.0, 25.0,
+                                                               boxes=False)]
+    difficulty = {"measure": "viewpoint_iou", "num_bins": 2,
+                  "bins": {"semantic": shared, "<odd> stream": copy.deepcopy(shared)}}
+    page = render(difficulty)
+    assert "<odd> stream" not in page and "&lt;odd&gt; stream" in page
+    cider = bin_charts(parse(page))["CIDEr"]
+    ticks = [t for t in cider.iter("text") if "xtick" in t.classes()]
+    assert [t.text for t in ticks] == ["0.10-0.50", "0.50-0.90"]  # one line, both streams
+    assert all("style" not in t.attrs for t in ticks)
+    # A malformed entry (no bins) still renders the section and the rest of the page.
+    root = parse(render({"measure": "viewpoint_iou", "bins": None}))
+    assert "No bins were given" in root.find("section", id="difficulty").text
+    assert root.find("table", id="metric-table")
