@@ -5,6 +5,10 @@ curves and the per-pair captions; this module turns them into a single HTML file
 
 * the papers' metric table (rows total / semantic / no_change / per change type, columns B4, M,
   R, C[, S] with one decimal, plus the number of pairs) and the dataset / protocol notes;
+* when the metrics hold a ``difficulty`` entry (the difficulty-binned evaluation, see
+  docs/evaluation.md), a section right after the table: per stream and viewpoint-IoU bin a
+  table row, one inline SVG chart per metric (CIDEr, METEOR, pointing, attention in box)
+  against the bins, hardest left, and the overall pointing-game numbers;
 * one inline SVG line chart per logged scalar, grouped by prefix ("train/", "val/", ...);
 * a histogram of the per-pair CIDEr and a gallery of pairs (images as base64 data URIs, generated
   caption, references, change type, per-pair CIDEr), worst CIDEr first, with a small inline script
@@ -112,6 +116,10 @@ def _fmt2(value: object) -> str:
     return f"{float(value):.2f}" if _finite(value) else "\u2013"  # type: ignore[arg-type]
 
 
+def _count(value: object) -> str:
+    return str(int(value)) if _finite(value) else "\u2013"  # type: ignore[arg-type]
+
+
 def _natural_key(text: str) -> tuple[tuple[int, int, str], ...]:
     # "img_10" after "img_9": runs of digits compare as numbers (tagged so ints never meet strs).
     parts = re.split(r"(\d+)", text)
@@ -182,9 +190,7 @@ def _render_metrics(metrics: Mapping[str, Any]) -> str:
         for label, key in columns:
             cls = ' class="main"' if key in main else ""
             out.append(f'<td data-col="{label}"{cls}>{_fmt1(row.get(key))}</td>')
-        n = row.get("num_pairs")
-        n_text = str(int(n)) if _finite(n) else "\u2013"
-        out.append(f'<td data-col="N">{n_text}</td></tr>')
+        out.append(f'<td data-col="N">{_count(row.get("num_pairs"))}</td></tr>')
     out.append("</tbody></table>")
 
     facts: list[str] = []
@@ -340,15 +346,8 @@ def _grid_and_axes(px: Any, py: Any, x_axis: tuple[float, float, float],
                    y_axis: tuple[float, float, float]) -> list[str]:
     """Horizontal grid lines with value labels, step ticks with labels, the two axes and the
     x label; ``px``/``py`` map a step/value to pixels, each axis is (lo, hi, tick step)."""
-    (x_lo, x_hi, x_step), (y_lo, y_hi, y_step) = x_axis, y_axis
-    parts = []
-    for t in _ticks(y_lo, y_hi, y_step):
-        y = py(t)
-        parts.append(
-            f'<line class="grid" x1="{_ML}" y1="{y:.2f}" x2="{_W - _MR}" y2="{y:.2f}"/>'
-            f'<text class="ytick" x="{_ML - 6}" y="{y + 4:.2f}" text-anchor="end">'
-            f"{_fmt_value_tick(t, y_step)}</text>"
-        )
+    x_lo, x_hi, x_step = x_axis
+    parts = _y_grid(py, y_axis, _ML, _W - _MR)
     for t in _ticks(x_lo, x_hi, x_step):
         x = px(t)
         parts.append(
@@ -356,13 +355,33 @@ def _grid_and_axes(px: Any, py: Any, x_axis: tuple[float, float, float],
             f'<text class="xtick" x="{x:.2f}" y="{_H - _MB + 18}" text-anchor="middle">'
             f"{_fmt_step(t)}</text>"
         )
-    pw = _W - _ML - _MR
-    parts.append(
-        f'<line class="axis" x1="{_ML}" y1="{_MT}" x2="{_ML}" y2="{_H - _MB}"/>'
-        f'<line class="axis" x1="{_ML}" y1="{_H - _MB}" x2="{_W - _MR}" y2="{_H - _MB}"/>'
-        f'<text class="xlabel" x="{_ML + pw / 2:.0f}" y="{_H - 4}" text-anchor="middle">step</text>'
-    )
+    parts.append(_axes((_ML, _MT, _W - _MR, _H - _MB), "step", _H - 4))
     return parts
+
+
+def _y_grid(py: Any, y_axis: tuple[float, float, float], left: int, right: int) -> list[str]:
+    """A grid line with its value label at each y tick; ``y_axis`` is (lo, hi, tick step)."""
+    y_lo, y_hi, y_step = y_axis
+    parts = []
+    for t in _ticks(y_lo, y_hi, y_step):
+        y = py(t)
+        parts.append(
+            f'<line class="grid" x1="{left}" y1="{y:.2f}" x2="{right}" y2="{y:.2f}"/>'
+            f'<text class="ytick" x="{left - 6}" y="{y + 4:.2f}" text-anchor="end">'
+            f"{_fmt_value_tick(t, y_step)}</text>"
+        )
+    return parts
+
+
+def _axes(box: tuple[int, int, int, int], xlabel: str, xlabel_y: int) -> str:
+    """The y and x axis of the plot area ``box`` (left, top, right, bottom) and the x label."""
+    left, top, right, bottom = box
+    return (
+        f'<line class="axis" x1="{left}" y1="{top}" x2="{left}" y2="{bottom}"/>'
+        f'<line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
+        f'<text class="xlabel" x="{left + (right - left) / 2:.0f}" y="{xlabel_y}" '
+        f'text-anchor="middle">{_esc(xlabel)}</text>'
+    )
 
 
 def _chart_summary(steps: list[float], values: list[float], skipped: int) -> str:
@@ -440,6 +459,203 @@ def _histogram(ciders: Sequence[float]) -> str:
         "CIDEr x100</text></svg>"
     )
     return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Difficulty-binned evaluation (metrics["difficulty"], see docs/evaluation.md)
+# ---------------------------------------------------------------------------------------------
+
+# Streams in display order (any other stream follows, by name) and their colours, set as style
+# attributes: the page's CSS stays as it is, so a report without the section keeps its bytes.
+_STREAM_ORDER = ("semantic", "distractor")
+_STREAM_COLOURS = ("#2763c4", "#d0483e", "#3a9a55", "#8a5cc4", "#e0a030", "#5b6475")
+# (bin key, label): the charts, in order; the last two only when some bin carries them.
+_BIN_METRICS = (
+    ("CIDEr", "CIDEr"), ("METEOR", "METEOR"),
+    ("pointing", "pointing"), ("attention_in_box", "attention in box"),
+)
+_BIN_OPTIONAL = ("pointing", "attention_in_box")
+_BIN_PLOT_H = 150  # plot height in px; the chart grows below it with the IoU label lines
+_BIN_MT = 44  # top margin: title and legend
+
+_Streams = list[tuple[str, str, list[Mapping[str, Any]]]]  # (name, colour, bins)
+
+
+def _difficulty_streams(entry: Mapping[str, Any]) -> _Streams:
+    """(stream, colour, bins hardest first) in display order; non-bins are dropped."""
+    bins = entry.get("bins")
+    if not isinstance(bins, Mapping):
+        return []
+    names = [n for n in _STREAM_ORDER if n in bins]
+    names += sorted(str(n) for n in bins if n not in _STREAM_ORDER)
+    out: _Streams = []
+    for name in names:
+        rows = bins[name]
+        if isinstance(rows, Sequence) and not isinstance(rows, str):
+            kept = [b for b in rows if isinstance(b, Mapping)]
+            if kept:
+                out.append((name, _STREAM_COLOURS[len(out) % len(_STREAM_COLOURS)], kept))
+    return out
+
+
+def _iou_label(bin_: Mapping[str, Any]) -> str:
+    return f"{_fmt2(bin_.get('iou_low'))}-{_fmt2(bin_.get('iou_high'))}"
+
+
+def _bin_keys(streams: _Streams) -> list[tuple[str, str]]:
+    """The (key, label) of the metrics shown: CIDEr, METEOR, then pointing ones if present."""
+    return [
+        (key, label) for key, label in _BIN_METRICS
+        if key not in _BIN_OPTIONAL or any(key in b for _, _, bins in streams for b in bins)
+    ]
+
+
+def _difficulty_table(streams: _Streams, keys: list[tuple[str, str]]) -> str:
+    """One row per stream and bin: IoU range, pairs and the shown metrics (one decimal)."""
+    out = ['<table class="metrics" id="difficulty-table"><thead><tr>'
+           '<th data-col="stream">stream</th><th data-col="bin">bin</th>'
+           '<th data-col="IoU" title="viewpoint IoU range of the bin">IoU</th>'
+           '<th data-col="pairs">pairs</th>']
+    out.extend(f'<th data-col="{_esc(key)}">{_esc(label)}</th>' for key, label in keys)
+    out.append("</tr></thead><tbody>")
+    for name, _, bins in streams:
+        for i, bin_ in enumerate(bins):
+            out.append(
+                f'<tr data-stream="{_esc(name)}" data-bin="{i}"><th scope="row">{_esc(name)}</th>'
+                f'<td data-col="bin">{i + 1}</td><td data-col="IoU">{_iou_label(bin_)}</td>'
+                f'<td data-col="pairs">{_count(bin_.get("num_pairs"))}</td>'
+            )
+            out.extend(f'<td data-col="{_esc(k)}">{_fmt1(bin_.get(k))}</td>' for k, _ in keys)
+            out.append("</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _bin_labels(streams: _Streams) -> list[list[tuple[str, str]]]:
+    """Per x-axis line, (text, colour) per bin: one line when every stream has the same IoU
+    ranges, else one line per stream in its colour (each stream is binned on its own IoUs)."""
+    n = max(len(bins) for _, _, bins in streams)
+    per_stream = [[_iou_label(b) for b in bins] + [""] * (n - len(bins)) for _, _, bins in streams]
+    if all(labels == per_stream[0] for labels in per_stream):
+        return [[(text, "") for text in per_stream[0]]]
+    return [[(text, colour) for text in labels]
+            for (_, colour, _), labels in zip(streams, per_stream, strict=True)]
+
+
+def _legend(streams: _Streams) -> str:
+    parts, x = [], float(_ML)
+    for name, colour, _ in streams:
+        parts.append(
+            f'<line x1="{x:.0f}" y1="30" x2="{x + 16:.0f}" y2="30" '
+            f'style="stroke:{colour};stroke-width:2"/>'
+            f'<text class="lgd" x="{x + 20:.0f}" y="34">{_esc(name)}</text>'
+        )
+        x += 32 + 6.5 * len(name)
+    return "".join(parts)
+
+
+def _bin_series(px: Any, py: Any, name: str, colour: str, values: list[float | None],
+                tips: list[str]) -> list[str]:
+    """One stream's line (broken where a bin has no value) and its point markers."""
+    parts, run = [], []
+    for i, v in enumerate([*values, None]):  # the sentinel closes the last run
+        if v is not None:
+            run.append(f"{px(i):.2f},{py(v):.2f}")
+            continue
+        if len(run) > 1:
+            parts.append(f'<polyline class="bline" data-stream="{_esc(name)}" '
+                         f'style="fill:none;stroke:{colour};stroke-width:1.6" '
+                         f'points="{" ".join(run)}"/>')
+        run = []
+    for i, v in enumerate(values):
+        if v is not None:
+            parts.append(
+                f'<circle class="bpt" data-stream="{_esc(name)}" data-bin="{i}" '
+                f'cx="{px(i):.2f}" cy="{py(v):.2f}" r="3" style="fill:{colour}">'
+                f"<title>{_esc(tips[i])}: {_fmt_value(v)}</title></circle>"
+            )
+    return parts
+
+
+def _bin_chart(key: str, label: str, streams: _Streams) -> str:
+    """One metric against the bins (categorical x, hardest left), a line per stream that has
+    a value for it (so e.g. the pointing charts show only the streams with boxes)."""
+    values = {name: [float(b[key]) if _finite(b.get(key)) else None for b in bins]
+              for name, _, bins in streams}
+    shown = [s for s in streams if any(v is not None for v in values[s[0]])]
+    lines = _bin_labels(shown or streams)
+    bottom = _BIN_MT + _BIN_PLOT_H
+    height = bottom + 14 * len(lines) + 22
+    title = _esc(f"{label} (x100)")
+    head = (
+        f'<svg class="binchart" data-name="{_esc(key)}" width="{_W}" height="{height}" '
+        f'viewBox="0 0 {_W} {height}" role="img" aria-label="{title}"><title>{title}</title>'
+        f'<text class="ctitle" x="{_W / 2:.0f}" y="16" text-anchor="middle">{title}</text>'
+    )
+    if not shown:
+        return (head + f'<text class="nodata" x="{_W / 2:.0f}" y="{height / 2:.0f}" '
+                'text-anchor="middle">no finite values</text></svg>')
+    y_lo, y_hi, y_step = _value_range([v for vals in values.values() for v in vals
+                                       if v is not None])
+    band = (_W - _ML - _MR) / len(lines[0])
+
+    def px(i: float) -> float:
+        return _ML + (i + 0.5) * band
+
+    def py(v: float) -> float:
+        return _BIN_MT + (y_hi - v) / (y_hi - y_lo) * _BIN_PLOT_H
+
+    parts = [head, _legend(shown), *_y_grid(py, (y_lo, y_hi, y_step), _ML, _W - _MR)]
+    for row, labels in enumerate(lines):
+        for i, (text, colour) in enumerate(labels):
+            style = f' style="fill:{colour}"' if colour else ""
+            parts.append(f'<text class="xtick" x="{px(i):.2f}" y="{bottom + 14 * (row + 1)}" '
+                         f'text-anchor="middle"{style}>{_esc(text)}</text>')
+    parts.append(_axes((_ML, _BIN_MT, _W - _MR, bottom), "viewpoint IoU bin (hardest left)",
+                       height - 5))
+    for name, colour, bins in shown:
+        tips = [f"{name}, IoU {_iou_label(b)}, {_count(b.get('num_pairs'))} pairs, {label}"
+                for b in bins]
+        parts += _bin_series(px, py, name, colour, values[name], tips)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _difficulty_note(entry: Mapping[str, Any]) -> str:
+    """What the bins are, and the overall pointing-game numbers."""
+    measure = str(entry.get("measure", ""))
+    n = entry.get("num_bins")
+    count = f"{int(n)} " if _finite(n) else ""  # type: ignore[arg-type]
+    if measure == "viewpoint_iou":
+        text = (f"Pairs in {count}quantile bins of their viewpoint IoU (the overlap of the "
+                "objects' boxes between the two images; lower = larger viewpoint change = "
+                "harder), each stream binned on its own, hardest bin first.")
+    else:
+        text = f"Pairs in {count}quantile bins of {measure or 'an unnamed measure'}."
+    pointing = entry.get("pointing")
+    if isinstance(pointing, Mapping):
+        text += (
+            f" Pointing game over {_count(pointing.get('num_pairs'))} semantic pairs with a "
+            f"changed-object box ({_count(pointing.get('num_boxes'))} boxes; "
+            f"{_count(pointing.get('pairs_without_change_words'))} pairs without change words "
+            f"left out): pointing {_fmt1(pointing.get('pointing'))}, attention in box "
+            f"{_fmt1(pointing.get('attention_in_box'))} (x100)."
+        )
+    else:
+        text += " No changed-object boxes: no pointing game."
+    return f'<p class="legend" id="difficulty-note">{_esc(text)}</p>'
+
+
+def _render_difficulty(entry: Mapping[str, Any]) -> str:
+    """The section body: note, table and one chart per metric."""
+    streams = _difficulty_streams(entry)
+    if not streams:
+        return _difficulty_note(entry) + '<p class="empty">No bins were given.</p>'
+    keys = _bin_keys(streams)
+    charts = "".join(f'<figure class="chartbox">{_bin_chart(key, label, streams)}</figure>'
+                     for key, label in keys)
+    return (_difficulty_note(entry) + _difficulty_table(streams, keys)
+            + f'<div class="charts">{charts}</div>')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,7 +928,8 @@ def render_report(
     Args:
         title: page title and heading.
         metrics: an :func:`changecap_jax.evaluation.evaluate_pairs` result (scores x100, per-row
-            sub-dicts, optional ``dataset`` / ``main_metrics`` / ``protocol``); may be empty.
+            sub-dicts, optional ``dataset`` / ``main_metrics`` / ``protocol`` and the
+            difficulty-binned ``difficulty`` entry, shown in its own section); may be empty.
         curves: scalar name -> [(step, value), ...]; non-finite values are skipped.
         gallery: per-pair entries, in any order (the page shows them worst CIDEr first).
         notes: free text lines shown under the title (e.g. checkpoint, split, date).
@@ -724,6 +941,9 @@ def render_report(
     """
     if max_gallery is not None and max_gallery < 0:
         raise ValueError(f"max_gallery must be >= 0 or None, got {max_gallery}")
+    difficulty = metrics.get("difficulty") if metrics else None
+    if not isinstance(difficulty, Mapping):
+        difficulty = None
     head = (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
@@ -732,13 +952,17 @@ def render_report(
     )
     body = [
         f'<body data-sort="{SORT_KEYS[0]}"><header><h1>{_esc(title)}</h1>',
-        '<nav><a href="#metrics">Metrics</a><a href="#curves">Training curves</a>'
-        '<a href="#pairs">Pairs</a></nav>',
+        '<nav><a href="#metrics">Metrics</a>'
+        + ('<a href="#difficulty">Difficulty</a>' if difficulty is not None else "")
+        + '<a href="#curves">Training curves</a><a href="#pairs">Pairs</a></nav>',
     ]
     if notes:
         body.append('<ul class="notes">' + "".join(f"<li>{_esc(n)}</li>" for n in notes) + "</ul>")
     body.append("</header>\n")
     body.append(f'<section id="metrics"><h2>Metrics</h2>{_render_metrics(metrics)}</section>\n')
+    if difficulty is not None:
+        body.append('<section id="difficulty"><h2>Difficulty: viewpoint change</h2>'
+                    f"{_render_difficulty(difficulty)}</section>\n")
     body.append(
         f'<section id="curves"><h2>Training curves</h2>{_render_curves(curves)}</section>\n'
     )
