@@ -40,8 +40,9 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
                                     f"than the model in {model_dir}")
     source = dataset.split(split)
     if len(source) == 0 or "bbox_before" not in source[0]:
-        raise datasets.DatasetError(f"dataset {dataset.name!r} records no changed-object "
-                                    f"boxes: localization needs them (the synthetic set has)")
+        raise datasets.DatasetError(
+            f"dataset {dataset.name!r} records no changed-object boxes: localization needs them "
+            f"(the synthetic set has; CLEVR-Change when built with change_captions_with_bbox.json)")
     if dataset.meta.image_size is None:
         raise datasets.DatasetError(f"dataset {dataset.name!r} does not record its image size")
     predictor = Predictor(exported, beam_size=beam_size)
