@@ -85,7 +85,7 @@ def _paper_model(
     })
 
 
-DROP = "<dropped>"  # an ABLATIONS value: the key is removed from its dict
+DROP = common.DROP  # an ABLATIONS value: the key is removed from its dict
 
 # Ablation -> the dotted config fields it sets, and nothing else (tests/test_scorer_ablations.py).
 # Dropping a loss also drops its weight; without CBR nothing is left to freeze.
@@ -110,18 +110,8 @@ ABLATIONS: dict[str, dict[str, object]] = {
 
 def apply_ablation(config: ml_collections.ConfigDict, name: str) -> None:
     """Sets the fields of ``ABLATIONS[name]`` in ``config`` (in place)."""
-    if name not in ABLATIONS:
-        raise ValueError(f"unknown ablation {name!r} for configs/scorer.py; choose one of "
-                         f"{list(ABLATIONS)}")
-    for path, value in ABLATIONS[name].items():
-        *parents, leaf = path.split(".")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        if value == DROP:
-            del node[leaf]
-        else:
-            node[leaf] = value
+    common.require_choice(name, ABLATIONS, "ablation", "configs/scorer.py", shown=list(ABLATIONS))
+    common.set_fields(config, ABLATIONS[name])
 
 
 # dataset -> (encoder layers, loss weights (sim, cbr), batch, lr, iterations, decode length)
