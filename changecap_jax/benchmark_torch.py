@@ -35,8 +35,9 @@ def data_sizes(model: Any, batch: dict[str, Any]) -> tables.Sizes:
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-    """What the comparison needs beyond a reference of the model: float32 on both sides."""
-    torch_reference.check_has_reference(config.model.name)
+    """A model the torch reference can build, PyTorch installed, float32 on both sides: checked
+    before any data is read or step compiled."""
+    torch_reference.check_model(config.model)
     dtype = config.get("compute_dtype", "float32")
     if dtype != "float32":
         raise TorchReferenceError(

@@ -92,6 +92,13 @@ def test_an_ablation_the_reference_lacks_is_refused(preset, field):
         compare(tiny(module, preset))
 
 
+def test_other_gradient_rows_are_refused():
+    config = tiny(dirl, ffn_dim=16, mlp_hidden_dim=16)
+    config.optim.zero_grad_rows = {}
+    with pytest.raises(TorchReferenceError, match="zero_grad_rows is {}"):
+        compare(config)
+
+
 def test_other_compute_dtypes_are_refused():
     config = tiny(dirl)
     config.compute_dtype = "bfloat16"

@@ -20,6 +20,7 @@ from changecap_jax.torch_reference.dirl import (
     CCRSpeaker,
     dirl_pair_losses,
 )
+from changecap_jax.torch_reference.scorer import PAD_ID
 from changecap_jax.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
 
 # The full model's switches (configs/dirl.py ABLATIONS change them; the reference has none).
@@ -27,13 +28,17 @@ FULL_MODEL = {"use_dirl": True, "use_ccr": True, "on_diagonal_weight": 1.0,
               "off_diagonal_weight": OFF_DIAGONAL_WEIGHT}
 
 
-def check_config(model: ml_collections.ConfigDict, sizes: Sizes) -> None:
-    """TorchReferenceError unless the reference can build ``model`` on ``sizes``' grid."""
+def check_model(model: ml_collections.ConfigDict) -> None:
+    """TorchReferenceError unless the reference implements ``model``'s switches."""
     wrong = {k: model.get(k, v) for k, v in FULL_MODEL.items() if model.get(k, v) != v}
     if wrong:
         raise TorchReferenceError(
             f"the DIRL+CCR torch reference is the full model {FULL_MODEL}; the config has "
             f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+
+
+def check_grid(sizes: Sizes) -> None:
+    """TorchReferenceError unless the data's grid is square."""
     if sizes.grid_height != sizes.grid_width:
         raise TorchReferenceError(
             f"the torch reference's grid position tables assume a square grid (docs/official/ "
@@ -42,7 +47,8 @@ def check_config(model: ml_collections.ConfigDict, sizes: Sizes) -> None:
 
 def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
     """The encoder, then the decoder (the official creation order), at the config's sizes."""
-    check_config(model, sizes)
+    check_model(model)
+    check_grid(sizes)
     dropout = float(model.dropout_rate)
     encoder = DIRL(
         feat_dim=sizes.feature_channels + (2 if model.use_coordinates else 0),
@@ -66,4 +72,5 @@ def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
         groups={"encoder": encoder, "decoder": speaker},
         sources={ENCODER: encoder, DECODER: speaker},
         streams=pair_streams(model.pairs), spatial_info=bool(model.use_coordinates),
-        losses=losses, aux_losses=("dirl", "ccr"))
+        losses=losses, aux_losses=("dirl", "ccr"),
+        zero_grad_rows={"decoder/embed/embedding": PAD_ID})

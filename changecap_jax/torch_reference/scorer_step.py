@@ -20,6 +20,7 @@ from changecap_jax.data.streams import pair_streams
 from changecap_jax.torch_reference import TorchReferenceError
 from changecap_jax.torch_reference.scorer import (
     CBR,
+    PAD_ID,
     ChangeDetector,
     Speaker,
     clamp_logit_scales,
@@ -32,13 +33,17 @@ OFFICIAL = {"use_sim": True, "use_cbr": True, "matching": "official",
             "cbr_mean_by_length": False}
 
 
-def check_config(model: ml_collections.ConfigDict, sizes: Sizes) -> None:
-    """TorchReferenceError unless the reference can build ``model`` on ``sizes``' grid."""
+def check_model(model: ml_collections.ConfigDict) -> None:
+    """TorchReferenceError unless the reference implements ``model``'s switches."""
     wrong = {k: model.get(k, v) for k, v in OFFICIAL.items() if model.get(k, v) != v}
     if wrong:
         raise TorchReferenceError(
             f"the SCORER+CBR torch reference is the official model {OFFICIAL}; the config has "
             f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+
+
+def check_grid(sizes: Sizes) -> None:
+    """TorchReferenceError unless the data's grid is square."""
     if sizes.grid_height != sizes.grid_width:
         raise TorchReferenceError(
             f"the torch reference's grid position tables and CBR assume a square grid "
@@ -47,7 +52,8 @@ def check_config(model: ml_collections.ConfigDict, sizes: Sizes) -> None:
 
 def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
     """ChangeDetector, Speaker, CBR in the official creation order, at the config's sizes."""
-    check_config(model, sizes)
+    check_model(model)
+    check_grid(sizes)
     dropout = float(model.dropout_rate)
     detector = ChangeDetector(
         feat_dim=sizes.feature_channels + (2 if model.use_coordinates else 0),
@@ -73,4 +79,5 @@ def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
         sources={ENCODER: detector, DECODER: speaker, GENERATOR: generator},
         streams=pair_streams(model.pairs), spatial_info=bool(model.use_coordinates),
         losses=losses, aux_losses=("sim", "cbr"),
+        zero_grad_rows={"decoder/embed/embedding": PAD_ID},
         after_step=lambda: clamp_logit_scales(detector, generator))

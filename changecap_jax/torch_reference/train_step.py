@@ -67,6 +67,8 @@ class ReferenceModel:
       losses: a batch -> ``{"caption": ..., <auxiliary loss>: ...}`` (unweighted means over
         the streams).
       aux_losses: the auxiliary loss names ``losses`` returns (config.loss_weights' keys).
+      zero_grad_rows: the embedding rows whose gradient the reference keeps at zero (torch's
+        ``padding_idx``), as ``config.optim.zero_grad_rows`` names them.
       after_step: what the official loop does after ``optimizer.step()``.
     """
 
@@ -76,6 +78,7 @@ class ReferenceModel:
     spatial_info: bool
     losses: Callable[[TorchBatch], dict[str, Tensor]]
     aux_losses: tuple[str, ...]
+    zero_grad_rows: dict[str, int]
     after_step: Callable[[], None] = _nothing
 
 
@@ -123,6 +126,11 @@ class ReferenceStep:
                 f"config.loss_weights {sorted(self.loss_weights)} must name the reference's "
                 f"auxiliary losses {sorted(model.aux_losses)}")
         optim = config.optim
+        rows = dict(optim.get("zero_grad_rows", {}))
+        if rows != model.zero_grad_rows:
+            raise TorchReferenceError(
+                f"optim.zero_grad_rows is {rows}; the torch reference zeroes the gradient of "
+                f"{model.zero_grad_rows} (padding_idx) and no other")
         frozen = set(optim.get("frozen", ()))
         if frozen - set(model.groups):
             raise TorchReferenceError(f"optim.frozen names {sorted(frozen - set(model.groups))}"
