@@ -53,7 +53,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax import (
-    benchmark_torch,
     cli,
     compile_cache,
     decoding,
@@ -301,15 +300,15 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
     check_supported(config)
     if steps < 1:
         raise BenchmarkError(f"steps must be >= 1, got {steps}")
-    if compare_torch:
-        benchmark_torch.check_config(config)
+    torch_side = _torch_comparison() if compare_torch else None
+    if torch_side:
+        torch_side.check_config(config)
     if synthetic_inputs:
         shapes = shapes or si.input_shapes(config)
         setup = synthetic_setup(config, shapes)
     else:
         setup = dataset_setup(config)
-    reference = (benchmark_torch.prepare(config, setup, torch_threads) if compare_torch
-                 else None)
+    reference = torch_side.prepare(config, setup, torch_threads) if torch_side else None
     results = time_train_step(setup, steps, matmul_size)
     results["examples_per_s"] = config.batch_size / results["step_s"]
     results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
@@ -325,8 +324,15 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         **peak_memory())
     if reference is not None:
         epoch = setup.experiment.steps_per_epoch if setup.experiment else SYNTHETIC_STEPS_PER_EPOCH
-        results.update(benchmark_torch.compare(reference, setup, config, steps, epoch))
+        results.update(torch_side.compare(reference, setup, config, steps, epoch))
     return results
+
+
+def _torch_comparison() -> Any:
+    # Imported for --compare_torch only: the torch reference and, when it runs, PyTorch.
+    from changecap_jax import benchmark_torch
+
+    return benchmark_torch
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
@@ -372,7 +378,20 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
                      f"{r['input_examples_per_s']:.1f} examples/s)")
     if "compilation_cache" in r:
         lines.append(f"compilation cache: {r['compilation_cache'] or 'off'}")
-    return lines + benchmark_torch.report_lines(r)
+    return lines + torch_lines(r)
+
+
+def torch_lines(r: dict[str, Any]) -> list[str]:
+    """The lines of ``--compare_torch`` (none without it)."""
+    if r.get("torch_step_s") is None:
+        return []
+    threads = f"{r['torch_threads']} torch thread{'' if r['torch_threads'] == 1 else 's'}"
+    return [f"torch reference: median {r['torch_step_s']:.3f} s/step; torch/jax ratio "
+            f"{r['torch_over_jax']:.2f} (>1: JAX faster); {threads} on {r['torch_device']} "
+            f"(JAX {r['torch_jax_step_s']:.3f} s/step in the same {r['torch_steps']} "
+            "alternating rounds)",
+            f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
+            f"jax {r['loss_first_step']:.6f}"]
 
 
 def _shapes_from_flags(config: ml_collections.ConfigDict) -> Any:

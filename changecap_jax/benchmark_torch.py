@@ -113,15 +113,3 @@ def compare(step: Any, setup: Any, config: ml_collections.ConfigDict, steps: int
             "torch_threads": step.threads, "torch_device": step.device.type,
             "torch_loss_first_step": torch_first, "torch_steps": steps}
 
-
-def report_lines(results: dict[str, Any]) -> list[str]:
-    """The comparison's lines of the printed report (none without ``--compare_torch``)."""
-    r = results
-    if r.get("torch_step_s") is None:
-        return []
-    return [f"torch reference: median {r['torch_step_s']:.3f} s/step; torch/jax ratio "
-            f"{r['torch_over_jax']:.2f} (>1: JAX faster); {r['torch_threads']} torch threads "
-            f"on {r['torch_device']} (JAX {r['torch_jax_step_s']:.3f} s/step in the same "
-            f"{r['torch_steps']} alternating rounds)",
-            f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
-            f"jax {r['loss_first_step']:.6f}"]

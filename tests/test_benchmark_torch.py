@@ -10,19 +10,23 @@ asserted beyond its being a positive, finite number.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from changecap_jax import benchmark, benchmark_torch  # noqa: E402
+from changecap_jax import benchmark  # noqa: E402
 from changecap_jax import synthetic_inputs as si  # noqa: E402
 from changecap_jax.torch_reference import TorchReferenceError  # noqa: E402
 from configs import dirl, scorer, subtraction  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
+REPO = Path(__file__).resolve().parents[1]
 BATCH = 8  # the test processes see 8 CPU devices (conftest.py)
 SHAPES = si.InputShapes(feature_shape=(4, 4, 8), vocab_size=20, caption_len=8)
 TINY = dict(hidden_dim=16, num_heads=2, word_dim=8, encoder_layers=1, decoder_layers=1)
@@ -64,9 +68,9 @@ def test_same_first_loss_and_a_ratio(module, model):
         assert math.isfinite(results[key]) and results[key] > 0, key
     assert results["torch_loss_first_step"] == pytest.approx(results["loss_first_step"],
                                                              abs=1e-5)
-    lines = benchmark_torch.report_lines(results)
+    lines = benchmark.torch_lines(results)
     assert lines[0].startswith("torch reference: median ") and "(>1: JAX faster)" in lines[0]
-    assert "1 torch threads on cpu" in lines[0]
+    assert "; 1 torch thread on cpu (JAX " in lines[0]
 
 
 def test_one_pair_variant_without_coordinates():
@@ -110,3 +114,13 @@ def test_missing_torch_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails
     with pytest.raises(TorchReferenceError, match="pip install -r requirements-torch.txt"):
         compare(tiny(dirl, ffn_dim=16, mlp_hidden_dim=16))
+
+
+def test_the_benchmark_imports_neither_torch_nor_the_reference_without_the_flag():
+    code = ("import sys, changecap_jax.benchmark; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or 'torch_reference' in m "
+            "or m == 'changecap_jax.benchmark_torch'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
