@@ -19,6 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import SMALL  # noqa: E402
+
 from changecap_jax import benchmark  # noqa: E402
 from changecap_jax import synthetic_inputs as si  # noqa: E402
 from changecap_jax.torch_reference import TorchReferenceError  # noqa: E402
@@ -124,3 +126,16 @@ def test_the_benchmark_imports_neither_torch_nor_the_reference_without_the_flag(
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_dataset_batches(small_synthetic):
+    """Without --synthetic_inputs: the built synthetic dataset's batches (more fields than the
+    reference reads), the model's vocabulary from the dataset."""
+    config = tiny(dirl, ffn_dim=16, mlp_hidden_dim=16)
+    config.dataset.data_dir = str(small_synthetic.directory.parents[2])
+    config.dataset.options = dict(SMALL)
+    results = benchmark.run(config, steps=1, decode_batches=0, matmul_size=0,
+                            compare_torch=True, torch_threads=1)
+    assert results["inputs"] == "dataset"
+    assert results["torch_loss_first_step"] == pytest.approx(results["loss_first_step"],
+                                                             abs=1e-5)
