@@ -28,7 +28,10 @@ Prints, in this order (the first six lines as before):
   matmul's, timed after each step so both see the same machine load (the device's practical
   peak at the default matmul precision, which the model gets too);
 * with a dataset: the input pipeline's examples/s read alone (``--input_batches`` batches,
-  loader and transfer to the devices, no step) and which of input and step is the bottleneck.
+  loader and transfer to the devices, no step) and which of input and step is the bottleneck;
+* with ``--compare_torch``: the median step of the model's torch reference, run on the same
+  batches from the same initial weights alternately with the JAX step, the ratio torch / JAX,
+  torch's thread count and both first-step losses (changecap_jax/benchmark_torch.py).
 
 ``--json=PATH`` writes every number, the config and the devices (atomically).
 """
@@ -83,6 +86,7 @@ class Setup:
     decode_inputs: dict[str, Any]  # before, after, conditioning of one eval batch
     max_len: int
     experiment: Any = None  # the experiment.Experiment, with a dataset
+    compiled_step: Any = None  # the compiled train_step, once time_train_step made it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +200,7 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     matmul, matmul_flops = matmul_timer(matmul_size) if matmul_size else (None, 0.0)
     state, metrics = compiled(setup.state, setup.batches[0])  # first run: allocations
     jax.block_until_ready(metrics)
+    loss_first_step = float(metrics["loss"])
     times, matmul_times = [], []
     for k in range(steps):
         t = time.perf_counter()
@@ -205,10 +210,12 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
         if matmul is not None:
             matmul_times.append(matmul())
     setup.state = state  # the old state was donated to the step
+    setup.compiled_step = compiled
     step_s = statistics.median(times)
     cost = xla_cost(compiled)
     flop_per_s = cost["flops"] / step_s if cost["flops"] is not None else None
-    out = {"compile_s": compile_s, "lower_s": lower_s, "step_s": step_s, "steps": steps, **cost,
+    out = {"compile_s": compile_s, "lower_s": lower_s, "step_s": step_s, "steps": steps,
+           "loss_first_step": loss_first_step, **cost,
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
            "matmul_flop_per_s": None, "percent_of_matmul": None}
     if matmul_times:
@@ -283,17 +290,25 @@ def peak_memory() -> dict[str, Any]:
 
 def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         synthetic_inputs: bool = False, shapes: Any = None, input_batches: int = 0,
-        matmul_size: int = 2048) -> dict[str, Any]:
+        matmul_size: int = 2048, compare_torch: bool = False,
+        torch_threads: int = 0) -> dict[str, Any]:
     """Returns the measured numbers (also used by tests). ``shapes``: the
-    ``synthetic_inputs.InputShapes`` of a synthetic run (default: the config dataset's)."""
+    ``synthetic_inputs.InputShapes`` of a synthetic run (default: the config dataset's).
+    ``compare_torch``: also time the model's torch reference (changecap_jax/benchmark_torch.py),
+    which gives the JAX state its initial weights, with ``torch_threads`` CPU threads (0:
+    torch's default)."""
     check_supported(config)
     if steps < 1:
         raise BenchmarkError(f"steps must be >= 1, got {steps}")
+    torch_side = _torch_comparison() if compare_torch else None
+    if torch_side:
+        torch_side.check_config(config)
     if synthetic_inputs:
         shapes = shapes or si.input_shapes(config)
         setup = synthetic_setup(config, shapes)
     else:
         setup = dataset_setup(config)
+    reference = torch_side.prepare(config, setup, torch_threads) if torch_side else None
     results = time_train_step(setup, steps, matmul_size)
     results["examples_per_s"] = config.batch_size / results["step_s"]
     results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
@@ -307,7 +322,17 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         devices={"count": jax.device_count(), "platform": jax.devices()[0].platform,
                  "kind": jax.devices()[0].device_kind},
         **peak_memory())
+    if reference is not None:
+        epoch = setup.experiment.steps_per_epoch if setup.experiment else SYNTHETIC_STEPS_PER_EPOCH
+        results.update(torch_side.compare(reference, setup, config, steps, epoch))
     return results
+
+
+def _torch_comparison() -> Any:
+    # Imported for --compare_torch only: the torch reference and, when it runs, PyTorch.
+    from changecap_jax import benchmark_torch
+
+    return benchmark_torch
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
@@ -353,7 +378,20 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
                      f"{r['input_examples_per_s']:.1f} examples/s)")
     if "compilation_cache" in r:
         lines.append(f"compilation cache: {r['compilation_cache'] or 'off'}")
-    return lines
+    return lines + torch_lines(r)
+
+
+def torch_lines(r: dict[str, Any]) -> list[str]:
+    """The lines of ``--compare_torch`` (none without it)."""
+    if r.get("torch_step_s") is None:
+        return []
+    threads = f"{r['torch_threads']} torch thread{'' if r['torch_threads'] == 1 else 's'}"
+    return [f"torch reference: median {r['torch_step_s']:.3f} s/step; torch/jax ratio "
+            f"{r['torch_over_jax']:.2f} (>1: JAX faster); {threads} on {r['torch_device']} "
+            f"(JAX {r['torch_jax_step_s']:.3f} s/step in the same {r['torch_steps']} "
+            "alternating rounds)",
+            f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
+            f"jax {r['loss_first_step']:.6f}"]
 
 
 def _shapes_from_flags(config: ml_collections.ConfigDict) -> Any:
@@ -379,6 +417,11 @@ def define_flags() -> None:
                          "Batches read to time the input pipeline alone (dataset only; 0: skip).")
     flags.DEFINE_integer("matmul_size", 2048, "Side of the reference float32 matmul (0: skip).")
     flags.DEFINE_string("json", None, "Write all results to this JSON file.")
+    flags.DEFINE_bool("compare_torch", False,
+                      "Also time the model's torch reference (changecap_jax/torch_reference) on "
+                      "the same batches, alternating with the JAX step (needs PyTorch).")
+    flags.DEFINE_integer("torch_threads", 0,
+                         "With --compare_torch: torch's CPU threads (0: torch's default).")
 
 
 def main(argv: list[str]) -> None:
@@ -392,9 +435,8 @@ def main(argv: list[str]) -> None:
     shapes = _shapes_from_flags(config) if FLAGS.synthetic_inputs else None
     results = run(config, FLAGS.steps, FLAGS.decode_batches,
                   synthetic_inputs=FLAGS.synthetic_inputs, shapes=shapes,
-                  input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size)
-    # A PyTorch reference timing (--compare_torch) would add its own keys to ``results`` here,
-    # before the report and the JSON.
+                  input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size,
+                  compare_torch=FLAGS.compare_torch, torch_threads=FLAGS.torch_threads)
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()),
                    compilation_cache=jax.config.jax_compilation_cache_dir)

@@ -138,10 +138,14 @@ def test_ablation_presets():
 
 
 # The places where a model is named: its model file, its pretraining losses, its converter,
-# its official-code adapter and the two registries. Every other module is trunk.
+# its official-code adapter, its torch reference and the three registries. Every other module
+# is trunk.
 PER_MODEL_FILES = {"changecap_jax/models/__init__.py", "changecap_jax/convert/registry.py",
                    "changecap_jax/reproduce/adapters.py",
                    "changecap_jax/models/idc_pcl_pretraining.py",
+                   "changecap_jax/torch_reference/__init__.py",
+                   *(f"changecap_jax/torch_reference/{name}.py" for name in
+                     ("dirl", "scorer", "dirl_step", "scorer_step")),
                    *(f"changecap_jax/models/{name}.py" for name in
                      ("dirl", "scorer", "subtraction", "cheers", "idc_pcl")),
                    *(f"changecap_jax/convert/models/{name}.py" for name in

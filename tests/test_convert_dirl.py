@@ -1,5 +1,6 @@
 """Official DIRL+CCR snapshot -> orbax checkpoint (changecap_jax/convert), checked tensor by tensor
-against the independent torch reference (tests/torch_reference/dirl.py), both decoder variants.
+against the independent torch reference (changecap_jax/torch_reference/dirl.py), both decoder
+variants.
 
 Reference: docs/official/ §1.1 (conversion rules), §1.2 (Adam, padding
 row), §4 (DIRL+CCR), §4.5 / Appendix B (keys), §7 (parity checklist). Random seeded weights at
@@ -30,8 +31,6 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from torch_reference import dirl as tdirl  # noqa: E402
-from torch_reference import scorer as tscorer  # noqa: E402
 from torch_reference import snapshot as tsnapshot  # noqa: E402
 
 from changecap_jax import decoding, models, parallel, train  # noqa: E402
@@ -52,6 +51,8 @@ from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     load_torch_file,
     read_official_snapshot,
 )
+from changecap_jax.torch_reference import dirl as tdirl  # noqa: E402
+from changecap_jax.torch_reference import scorer as tscorer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

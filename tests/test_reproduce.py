@@ -1,7 +1,8 @@
 """``python -m changecap_jax.reproduce`` (changecap_jax/reproduce/) against a stand-in for the
-official checkouts: tests/torch_reference laid out as tuyunbin/DIRL and tuyunbin/SCORER
-(torch_reference/official_layout.py), at tiny sizes. With CHANGECAP_OFFICIAL_DIRL /
-CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same comparison runs against them.
+official checkouts: the project's torch reference (changecap_jax/torch_reference) laid out as
+tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_reference/official_layout.py), at tiny sizes.
+With CHANGECAP_OFFICIAL_DIRL / CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same
+comparison runs against them.
 
 Checked: the losses, learning rates, gradient norms and parameters of both sides agree step by
 step (DIRL from the built-in synthetic dataset through the input pipeline, with a decaying

@@ -1,2 +1,3 @@
-"""Test-only plain-PyTorch re-implementations of the official SCORER+CBR and DIRL+CCR models,
-written from the notes in ``docs/official/`` for parity tests against the Flax ports."""
+"""What only the tests need beside the project's torch reference (changecap_jax/torch_reference):
+the plain-PyTorch IDC-PCL re-implementation (idc_pcl.py), the official snapshot format
+(snapshot.py) and a stand-in official checkout built on the reference (official_layout.py)."""

@@ -1,4 +1,4 @@
-"""A stand-in for an official checkout (tuyunbin/DIRL, tuyunbin/SCORER) built on this folder's
+"""A stand-in for an official checkout (tuyunbin/DIRL, tuyunbin/SCORER) built on the project's
 torch reference, for testing ``python -m changecap_jax.reproduce`` where the official code is
 absent (CI).
 
@@ -8,10 +8,11 @@ name them: ``configs/config_transformer.py`` (a ``cfg`` with ``merge_cfg_from_fi
 ``utils/utils.py`` (``build_optimizer``, ``CrossEn``) and ``models/*.py``. Each file is one
 import from here: classes that take the official ``cfg`` and keep the official call signatures
 and return tuples (``DIRL(cfg)(x1, x2) -> (diff_bef, diff_aft, loss)``, ``CCR._forward``,
-``ChangeDetector``, ``Speaker._forward``, ``CBR``), over :mod:`.dirl` and :mod:`.scorer`.
-Like the official encoders, the grid position tables have 14 rows. Unlike the official CBR
-(512 channels, 8 heads, 14x14 grid), the stand-in takes the cfg's sizes, so tests run tiny.
-Nothing here is official code; the behaviour is the reference document's.
+``ChangeDetector``, ``Speaker._forward``, ``CBR``), over the package's torch reference
+(:mod:`changecap_jax.torch_reference.dirl` and :mod:`changecap_jax.torch_reference.scorer`).
+Like the official encoders, the grid position tables have 14 rows. Unlike the official CBR (512
+channels, 8 heads, 14x14 grid), the stand-in takes the cfg's sizes, so tests run tiny. Nothing
+here is official code; the behaviour is the reference document's.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 import yaml
 from torch import nn
 
-from . import dirl as tdirl
-from . import scorer as tscorer
+from changecap_jax.torch_reference import dirl as tdirl
+from changecap_jax.torch_reference import scorer as tscorer
+
 from .snapshot import AttrDict
 
 GRID_ROWS = 14  # nn.Embedding(14, att_dim / 2) in the official encoders

@@ -1,0 +1,76 @@
+"""DIRL+CCR's torch reference (:mod:`.dirl`) built from a project config, for
+``python -m changecap_jax.benchmark --compare_torch`` (:mod:`.train_step`).
+
+The modules take the config's sizes (``configs/dirl.py`` fields) and the data's (grid,
+channels, vocabulary, caption length); the reference implements the full model of the official
+code only, so the Tables 6-7 ablation switches are refused with the field to change.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
+from changecap_jax.convert.tables import Sizes
+from changecap_jax.data.streams import pair_streams
+from changecap_jax.torch_reference import TorchReferenceError
+from changecap_jax.torch_reference.dirl import (
+    DIRL,
+    OFF_DIAGONAL_WEIGHT,
+    CCRSpeaker,
+    dirl_pair_losses,
+)
+from changecap_jax.torch_reference.scorer import PAD_ID
+from changecap_jax.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
+
+# The full model's switches (configs/dirl.py ABLATIONS change them; the reference has none).
+FULL_MODEL = {"use_dirl": True, "use_ccr": True, "on_diagonal_weight": 1.0,
+              "off_diagonal_weight": OFF_DIAGONAL_WEIGHT}
+
+
+def check_model(model: ml_collections.ConfigDict) -> None:
+    """TorchReferenceError unless the reference implements ``model``'s switches."""
+    wrong = {k: model.get(k, v) for k, v in FULL_MODEL.items() if model.get(k, v) != v}
+    if wrong:
+        raise TorchReferenceError(
+            f"the DIRL+CCR torch reference is the full model {FULL_MODEL}; the config has "
+            f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+
+
+def check_grid(sizes: Sizes) -> None:
+    """TorchReferenceError unless the data's grid is square."""
+    if sizes.grid_height != sizes.grid_width:
+        raise TorchReferenceError(
+            f"the torch reference's grid position tables assume a square grid (docs/official/ "
+            f"§3.1 step 2), got {sizes.grid_height}x{sizes.grid_width}")
+
+
+def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
+    """The encoder, then the decoder (the official creation order), at the config's sizes."""
+    check_model(model)
+    check_grid(sizes)
+    dropout = float(model.dropout_rate)
+    encoder = DIRL(
+        feat_dim=sizes.feature_channels + (2 if model.use_coordinates else 0),
+        att_dim=model.hidden_dim, att_head=model.num_heads, num_layers=model.encoder_layers,
+        mlp_dim=model.mlp_hidden_dim, grid_size=sizes.grid_height, dropout=dropout)
+    speaker = CCRSpeaker(
+        model.variant, vocab_size=sizes.vocab_size, seq_length=sizes.max_len,
+        word_dim=model.word_dim, att_dim=model.hidden_dim, att_head=model.num_heads,
+        num_layers=model.decoder_layers, ffn_dim=model.ffn_dim, dropout=dropout)
+
+    def losses(batch: TorchBatch) -> dict:
+        per_stream = {}
+        for stream, pair in batch.pairs.items():
+            terms = dirl_pair_losses(encoder, speaker, batch.before, pair.after, pair.labels,
+                                     pair.targets, pair.masks)
+            per_stream[stream] = {"caption": terms["cap"], "dirl": terms["dirl"],
+                                  "ccr": terms["ccr"]}
+        return stream_mean(per_stream)
+
+    return ReferenceModel(
+        groups={"encoder": encoder, "decoder": speaker},
+        sources={ENCODER: encoder, DECODER: speaker},
+        streams=pair_streams(model.pairs), spatial_info=bool(model.use_coordinates),
+        losses=losses, aux_losses=("dirl", "ccr"),
+        zero_grad_rows={"decoder/embed/embedding": PAD_ID})
