@@ -159,6 +159,43 @@ def test_evaluator_pointing_on_constructed_attention():
                                              "pointing": pytest.approx(100.0 / 16)}
 
 
+def test_bins_are_scored_alone():
+    """Six semantic pairs in three IoU bins, captions of varied quality: each bin's scores
+    equal scoring that bin's pairs alone; the hardest bin comes first."""
+    dataset = types.SimpleNamespace(vocab=types.SimpleNamespace(id_to_word={}),
+                                    meta=types.SimpleNamespace(image_size=None))
+    evaluator = evaluators.DifficultyBins(PointingModel(), jnp.float32, dataset, num_bins=3)
+    evaluator.start("test")
+    ious = [0.9, 0.1, 0.5, 0.2, 0.7, 0.4]
+    generated = ["the red cube moved", "the blue ball is gone", "a cube", "the red cube moved",
+                 "the thing turned red", "nothing has changed"]
+    references = [["the red cube moved", "the red block changed its location"],
+                  ["the blue sphere is gone"], ["the small cube has been added"],
+                  ["the red cube moved"], ["the green thing turned red"],
+                  ["the big sphere is missing"]]
+    captions = [evaluation.PairCaption(f"{i:06d}.png", g, r, "move")
+                for i, (g, r) in enumerate(zip(generated, references, strict=True))]
+    records = [{"viewpoint_iou_semantic": np.float32(v)} for v in ious]
+    evaluator.add(evaluators.EvalBatch(
+        {}, {}, {"semantic": "after_semantic"}, np.arange(6),
+        [("semantic", r, c) for r, c in zip(records, captions, strict=True)]))
+    rows = evaluator.finish(captions)["difficulty"]["bins"]["semantic"]
+    assert [r["num_pairs"] for r in rows] == [2, 2, 2]
+    # Each expected group scored as its own COCOEvalCap run (evaluation.score_tokenized's
+    # subsets, tested against scoring alone in test_evaluation.py).
+    groups = ([1, 3], [5, 2], [4, 0])
+    alone = evaluation.score_tokenized(
+        evaluation.tokenize_captions({c.image_id: c.caption for c in captions},
+                                     {c.image_id: c.references for c in captions}),
+        {k: [captions[i].image_id for i in g] for k, g in enumerate(groups)}, spice="off")
+    for k, (row, members) in enumerate(zip(rows, groups, strict=True)):
+        assert (row["iou_low"], row["iou_high"]) == (
+            pytest.approx(ious[members[0]]), pytest.approx(ious[members[1]]))
+        for metric in ("CIDEr", "METEOR", "Bleu_4"):
+            assert row[metric] == pytest.approx(100 * alone[k][metric], rel=1e-12), metric
+    assert len({round(r["CIDEr"], 6) for r in rows}) == 3  # the bins really differ
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("difficulty_data")
@@ -166,32 +203,28 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
-def test_training_run_writes_binned_metrics(data_dir, tmp_path):
+def test_trainer_evaluation_writes_binned_metrics(data_dir, tmp_path):
+    """The trainer's evaluation carries each record's IoU and boxes to the evaluator: bins of
+    the records' IoUs, every semantic pair scored or counted, the per-pair fields written."""
     from changecap_jax import train
 
-    config = tiny_config(data_dir, num_train_steps=2, final_eval_splits=("test",),
-                         spice="off", difficulty_bins=3)
-    metrics = train.Trainer(config, tmp_path).train()["test"]
-    entry = metrics["difficulty"]
-    captions = json.loads((tmp_path / "captions" / "test_2.json").read_text())
+    config = tiny_config(data_dir, spice="off", difficulty_bins=3)
+    trainer = train.Trainer(config, tmp_path)
+    entry = trainer.evaluate(trainer.init_state(), "test", 0)["difficulty"]
+    source = trainer.dataset.split("test")
+    captions = json.loads((tmp_path / "captions" / "test_0.json").read_text())
     by_id = {c["image_id"]: c for c in captions}
     for stream, suffix in (("semantic", ""), ("distractor", "_n")):
-        ious = {i: c["viewpoint_iou"] for i, c in by_id.items() if i.endswith(".png" + suffix)}
-        assert sum(b["num_pairs"] for b in entry["bins"][stream]) == len(ious) == SMALL["num_test"]
-        # Rebuild the bins from the per-pair IoUs and score each alone: the same numbers.
+        ious = {f"{int(r['id']):06d}.png{suffix}": float(r[f"viewpoint_iou_{stream}"])
+                for r in (source[i] for i in range(len(source)))}
+        assert {i: by_id[i]["viewpoint_iou"] for i in ious} == pytest.approx(ious)
         ids = sorted(ious)
-        for row, group in zip(entry["bins"][stream],
-                              difficulty.quantile_bins([ious[i] for i in ids], 3), strict=True):
-            chosen = [ids[k] for k in group]
-            assert (row["iou_low"], row["iou_high"]) == (
-                min(ious[i] for i in chosen), max(ious[i] for i in chosen))
-            scores = evaluation.score_captions({i: by_id[i]["caption"] for i in chosen},
-                                               {i: by_id[i]["references"] for i in chosen},
-                                               spice="off")
-            assert row["CIDEr"] == pytest.approx(100 * scores["CIDEr"], rel=1e-12)
-            assert row["METEOR"] == pytest.approx(100 * scores["METEOR"], rel=1e-12)
-    # The distractor pairs' after image is the before scene: IoU 1 only without a camera move.
-    assert all(0.0 <= b["iou_low"] <= b["iou_high"] <= 1.0 for b in entry["bins"]["distractor"])
+        rows = entry["bins"][stream]
+        assert sum(r["num_pairs"] for r in rows) == len(ious) == SMALL["num_test"]
+        for row, group in zip(rows, difficulty.quantile_bins([ious[i] for i in ids], 3),
+                              strict=True):
+            chosen = [ious[ids[k]] for k in group]
+            assert (row["iou_low"], row["iou_high"]) == (min(chosen), max(chosen))
     # Every synthetic semantic pair has a changed-object box: each is scored or counted.
     pointing = entry["pointing"]
     assert pointing["num_pairs"] + pointing["pairs_without_change_words"] == SMALL["num_test"]
