@@ -97,34 +97,36 @@ def _float_width(dtype: Any) -> int:
     return np.dtype(dtype).itemsize * 8
 
 
-def _jaxprs(params: dict[str, Any]) -> Iterator[Any]:
-    """The jaxprs nested in an equation's parameters (jit, shard_map, cond branches ...)."""
+def _closed_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
+    """The jaxprs nested in an equation's parameters (jit, shard_map, cond branches ...),
+    each with its constants (an empty list where it has none)."""
     for value in params.values():
         for item in value if isinstance(value, list | tuple) else (value,):
             inner = getattr(item, "jaxpr", item)
             if hasattr(inner, "eqns"):
-                yield inner
+                yield inner, list(getattr(item, "consts", ()))
 
 
-def _narrowed(jaxpr: Any) -> Iterator[str]:
-    """Equations of ``jaxpr`` (recursively) with a float64 input and a narrower float output."""
+def _narrowed(jaxpr: Any, consts: list[Any]) -> Iterator[str]:
+    """Equations of ``jaxpr`` (recursively) with a float64 input and a narrower float output,
+    and its float constants narrower than float64."""
+    for c in consts:
+        if 0 < _float_width(np.asarray(c).dtype) < 64:
+            yield f"constant {np.shape(c)} {np.asarray(c).dtype}"
     for eqn in jaxpr.eqns:
         widths = [_float_width(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")]
         outs = [v.aval for v in eqn.outvars if 0 < _float_width(v.aval.dtype) < 64]
         if 64 in widths and outs:
             yield f"{eqn.primitive.name} -> {outs[0].str_short()}"
-        for inner in _jaxprs(eqn.params):
-            yield from _narrowed(inner)
+        for inner, inner_consts in _closed_jaxprs(eqn.params):
+            yield from _narrowed(inner, inner_consts)
 
 
 def jax_float32_values(fn: Any, *args: Any) -> list[str]:
     """What :func:`jax.make_jaxpr` of ``fn(*args)`` computes below float64 from float64
     values, and its float constants narrower than float64 (empty: all float64)."""
     closed = jax.make_jaxpr(fn)(*args)
-    found = sorted(set(_narrowed(closed.jaxpr)))
-    found += [f"constant {np.shape(c)} {np.asarray(c).dtype}" for c in closed.consts
-              if 0 < _float_width(np.asarray(c).dtype) < 64]
-    return found
+    return sorted(set(_narrowed(closed.jaxpr, list(closed.consts))))
 
 
 def _guard_mode() -> type:
