@@ -42,6 +42,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from changecap_jax.convert import ConversionError
+from changecap_jax.reproduce import official, report, run
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py or "
                                 "configs/scorer.py, with a preset).", lock_config=False)
@@ -80,8 +83,6 @@ def main(argv: list[str]) -> None:
     if FLAGS.precision == "float64":
         # Process-wide before any JAX array exists (run.compare also scopes it to the run).
         jax.config.update("jax_enable_x64", True)
-    from changecap_jax.convert import ConversionError
-    from changecap_jax.reproduce import official, report, run
 
     options = run.Options(
         official_repo=FLAGS.official_repo, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
