@@ -174,10 +174,9 @@ def test_float64_agrees_to_rounding(checkouts, monkeypatch, x64_restored):
     import jax
 
     seen = record_dtypes(monkeypatch)
-    config = tiny_config("scorer", "clevr_change")
-    config.model.encoder_layers = 2
-    result = run.compare(config, run.Options(checkouts["scorer"], steps=3, batch_size=2,
-                                             precision="float64", **RANDOM))
+    result = run.compare(tiny_config("scorer", "clevr_change"),
+                         run.Options(checkouts["scorer"], steps=3, batch_size=2,
+                                     precision="float64", **RANDOM))
     for name, value in result.summary["max_rel_diff"].items():
         assert value <= 1e-9, (name, value)
     assert all(r["param_max_abs_diff"] <= 1e-12 for r in result.rows), result.rows
