@@ -8,7 +8,7 @@ is narrower than float64 where a float64 value went in (a cast down) and every f
 constant. The official side: the modules are built as in float32 (the same random
 initialisation) and then cast with ``.double()``, the batches are float64, each step runs
 under ``torch.set_default_dtype(torch.float64)`` (the official forwards create tensors with
-``torch.Tensor(np.ones(...))``) and :class:`Float64Guard` refuses any torch call that turns a
+``torch.Tensor(np.ones(...))``) and :func:`official_guard` refuses any torch call that turns a
 float64 tensor into a narrower float. The official positional-encoding buffers are computed in
 float32 (``.float()`` in ``models/CCR*.py`` and ``models/transformer_decoder.py``); they are
 recomputed in float64 (:func:`official_to_float64`).
