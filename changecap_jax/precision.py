@@ -14,6 +14,10 @@ float32:
   (``force_float32_reductions``);
 * every loss: ``losses`` upcasts its inputs, so log-softmax, correlations and means are float32.
 
+float64 (``jax_enable_x64``) is not a compute dtype of the trunk, but what is computed in float64
+stays float64 (:func:`at_least_float32`), so that ``python -m changecap_jax.reproduce
+--precision=float64`` (docs/reproduce.md) runs every step in float64.
+
 float16 is refused for training: without loss scaling its gradients underflow, and bfloat16
 has float32's exponent range. Features stored in float16 are upcast on device by the same cast.
 """
@@ -47,3 +51,9 @@ def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
         return x
 
     return jax.tree_util.tree_map(cast, tree)
+
+
+def at_least_float32(x: jax.Array) -> jax.Array:
+    """``x`` in float32 where it is narrower (bfloat16, float16) or float32; float64 stays
+    float64 (the x64 runs of docs/reproduce.md)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))

@@ -91,7 +91,7 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: in
             raise ValueError(f"optim.warmup_steps must be > 0 for the noam schedule, got {warmup}")
 
         def noam(count: jax.Array) -> jax.Array:
-            t = jnp.asarray(count, jnp.float32)
+            t = jnp.asarray(count, float)  # the default float: float32, float64 in x64
             lr = base * jnp.minimum(t / warmup, jnp.sqrt(warmup / jnp.maximum(t, 1.0)))
             return jnp.where(t > 0, lr, 1e-8)
 
@@ -101,17 +101,20 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict, steps_per_epoch: in
 
         def piecewise(count: jax.Array) -> jax.Array:
             passed = jnp.sum(jnp.asarray(count, jnp.int32) >= boundaries)
-            return base * optim.decay_factor ** passed.astype(jnp.float32)
+            return base * optim.decay_factor ** passed.astype(float)
 
         return piecewise
     if not optim.decay_every_epochs:
         return optax.constant_schedule(base)
-    return optax.exponential_decay(
+    step_lr = optax.exponential_decay(
         base,
         transition_steps=optim.decay_every_epochs * steps_per_epoch,
         decay_rate=optim.decay_factor,
         staircase=True,
     )
+    # The count as the default int (int32; int64 in x64), so that optax's count / steps is
+    # float64 in an x64 run (docs/reproduce.md) instead of int32 / steps = float32.
+    return lambda count: step_lr(jnp.asarray(count, int))
 
 
 def frozen_labels(params: Any, frozen: tuple[str, ...] | list[str]) -> Any:

@@ -8,7 +8,9 @@ Checked: the losses, learning rates, gradient norms and parameters of both sides
 step (DIRL from the built-in synthetic dataset through the input pipeline, with a decaying
 StepLR; SCORER+CBR and DIRL's CLEVR-DC variant on random inputs), the outputs are written, our
 ``configs`` package survives the import of the official one, a learning rate changed on the
-official side shows in the table, and the command without a checkout exits 2 with one line.
+official side shows in the table, ``--precision=float64`` agrees to rounding with float64 on
+both sides (and refuses a float32 part), and the command without a checkout exits 2 with one
+line.
 """
 
 from __future__ import annotations
@@ -121,6 +123,97 @@ def test_a_different_learning_rate_shows(checkouts):
     terms = ("caption", "ccr", "dirl", "total")
     assert run.summarize(result.rows, terms, 1e-4, atol=100.0)["losses_within_tolerance"]
     assert any("learning_rate" in n and "0.0003" in n for n in result.notes), result.notes
+
+
+def record_dtypes(monkeypatch) -> dict[str, set]:
+    """Wraps both sides' step functions to record the dtypes each step really sees."""
+    import jax
+
+    seen: dict[str, set] = {"official": set(), "ours": set(), "default": set(), "x64": set()}
+    official_step, ours_step = run.official_step, run.ours_step
+
+    def official(side, batch):
+        seen["official"].update(p.dtype for m in side.model.modules.values()
+                                for p in m.parameters())
+        seen["official"].update(t.dtype for pair in batch.pairs.values()
+                                for t in (pair.after, pair.masks))
+        seen["official"].add(batch.before.dtype)
+        seen["default"].add(torch.get_default_dtype())
+        return official_step(side, batch)
+
+    def ours(side, batch):
+        seen["ours"].update(str(x.dtype) for x in jax.tree.leaves((side.state.params, batch))
+                            if x.dtype.kind == "f")
+        seen["ours"].update(str(x.dtype) for x in jax.tree.leaves(side.state.opt_state)
+                            if x.dtype.kind == "f")
+        seen["x64"].add(bool(jax.config.jax_enable_x64))
+        return ours_step(side, batch)
+
+    monkeypatch.setattr(run, "official_step", official)
+    monkeypatch.setattr(run, "ours_step", ours)
+    return seen
+
+
+@pytest.fixture
+def x64_restored():
+    """Whatever a failing float64 test leaves behind, the next test runs without x64 and with
+    torch's float32 default (the flag is process-wide)."""
+    import jax
+
+    saved = jax.config.jax_enable_x64, torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", saved[0])
+        torch.set_default_dtype(saved[1])
+
+
+def test_float64_agrees_to_rounding(checkouts, monkeypatch, x64_restored):
+    """--precision=float64: the SCORER+CBR terms agree to 1e-9 (float32: up to 4e-6), every
+    parameter, Adam moment, grid and mask is float64 on both sides, the lr is 2e-4 itself
+    (float32: 2e-4 rounded), and neither x64 nor torch's default dtype outlives the run."""
+    import jax
+
+    seen = record_dtypes(monkeypatch)
+    result = run.compare(tiny_config("scorer", "clevr_change"),
+                         run.Options(checkouts["scorer"], steps=3, batch_size=2,
+                                     precision="float64", **RANDOM))
+    for name, value in result.summary["max_rel_diff"].items():
+        assert value <= 1e-9, (name, value)
+    assert all(r["param_max_abs_diff"] <= 1e-12 for r in result.rows), result.rows
+    assert result.rows[0]["lr_ours"] == result.rows[0]["lr_official"] == 2e-4
+    assert seen == {"official": {torch.float64}, "ours": {"float64"},
+                    "default": {torch.float64}, "x64": {True}}, seen
+    assert result.settings["precision"] == result.summary["precision"] == "float64"
+    assert any("position_enc.pe" in n and "float64" in n for n in result.notes), result.notes
+    assert not jax.config.jax_enable_x64 and torch.get_default_dtype() == torch.float32
+
+
+def test_float64_refuses_float32_on_either_side(x64_restored):
+    """A float64 tensor cast down on the official side, or a float64 value cast down in our
+    step, is an error naming it; float32 runs are not checked; other precisions refused."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from changecap_jax.reproduce import float64
+
+    with pytest.raises(run.ReproduceError, match="float64: the official code computes float"):
+        with float64.official_guard("float64"):
+            torch.ones(2, dtype=torch.float64).float()
+    with float64.official_guard("float32"):
+        torch.ones(2, dtype=torch.float64).float()
+    with jax.enable_x64(True):
+        narrow = float64.jax_float32_values(lambda x: (x * 2).astype(jnp.float32) + 1,
+                                            np.ones(3))
+        assert narrow == ["convert_element_type -> float32[3]"]
+        assert float64.jax_float32_values(lambda x: jnp.exp(x) + 1, np.ones(3)) == []
+        table = np.linspace(0.0, 1.0, 3).astype(np.float32)  # a float32 constant in a jit
+        assert float64.jax_float32_values(jax.jit(lambda x: x + table), np.ones(3)) == [
+            "constant (3,) float32"]
+    with pytest.raises(run.ReproduceError, match="--precision must be one of"):
+        run.compare(tiny_config("dirl", "clevr_change"),
+                    run.Options(Path("."), steps=1, precision="float16", **RANDOM))
 
 
 def test_config_the_official_code_cannot_build(checkouts):

@@ -310,8 +310,9 @@ def check_states(entries: Sequence[Entry], states: States, sources: Sequence[str
     return problems
 
 
-def apply_table(entries: Sequence[Entry], states: States) -> dict[str, np.ndarray]:
-    """Flax path -> float32 array for every entry whose source and key are in ``states``.
+def apply_table(entries: Sequence[Entry], states: States,
+                dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Flax path -> array of ``dtype`` for every entry whose source and key are in ``states``.
 
     Also maps anything in the torch layout with the same keys, e.g. gradients or optimizer
     moments. No checks: run :func:`check_states` first.
@@ -322,7 +323,7 @@ def apply_table(entries: Sequence[Entry], states: States) -> dict[str, np.ndarra
         if value is None:
             continue
         for target in entry.targets:
-            out[target.path] = np.asarray(target.transform(np.asarray(value)), np.float32)
+            out[target.path] = np.asarray(target.transform(np.asarray(value)), dtype)
     return out
 
 

@@ -45,6 +45,7 @@ from changecap_jax.data.streams import caption_mask
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
+from changecap_jax.precision import at_least_float32
 
 Array = jax.Array
 
@@ -56,7 +57,7 @@ class TextDecoder(Protocol):
     """The layout the shared decoder functions below rely on (module docstring)."""
 
     max_len: int
-    pe: np.ndarray  # (max_len, word_dim) fixed sinusoid table
+    pe: np.ndarray  # (max_len, word_dim) fixed sinusoid table, float64
     layer: Sequence[Any]  # decoder layers with init_cache(memory, max_len) and step(h, index)
 
     def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array: ...
@@ -115,8 +116,9 @@ def multi_head_attend(
     qh = q.reshape(b, lq, num_heads, dh)
     kh = k.reshape(b, k.shape[1], num_heads, dh)
     vh = v.reshape(b, v.shape[1], num_heads, dh)
-    # Scores, mask and softmax in float32 whatever the compute dtype (changecap_jax/precision.py).
-    scores = jnp.einsum("bqhd,bkhd->bhqk", qh, kh).astype(jnp.float32) / math.sqrt(dh)
+    # Scores, mask and softmax in at least float32 whatever the compute dtype
+    # (changecap_jax/precision.py).
+    scores = at_least_float32(jnp.einsum("bqhd,bkhd->bhqk", qh, kh)) / math.sqrt(dh)
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
     probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
@@ -277,7 +279,7 @@ class Speaker(nn.Module):
     def setup(self) -> None:
         self.embed = nn.Embed(self.vocab_size, self.word_dim, embedding_init=speaker_init)
         # Fixed buffer core.position_enc.pe: a constant, never trained.
-        self.pe = sinusoid_table(self.max_len, self.word_dim)
+        self.pe = sinusoid_table(self.max_len, self.word_dim, np.float64)
         self.fc_0 = TorchDense(self.hidden_dim, kernel_init=speaker_init, bias_init="zeros")
         self.fc_2 = torch_layer_norm(self.layer_norm_eps)
         self.dropout = Dropout(self.dropout_rate)

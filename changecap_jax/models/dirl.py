@@ -62,6 +62,7 @@ from typing import ClassVar, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from changecap_jax import losses
 from changecap_jax.data import streams
@@ -275,7 +276,7 @@ class CCRDecoder(nn.Module):
             embedding_init=xavier_uniform if dc else normal_zero_pad_init,
         )
         # Fixed buffer core.position_enc.pe: a constant, never trained.
-        self.pe = sinusoid_table(self.max_len, self.word_dim)
+        self.pe = sinusoid_table(self.max_len, self.word_dim, np.float64)
         self.fc_0 = TorchDense(self.hidden_dim, kernel_init=kernel_init)
         self.embed_fc_0 = TorchDense(self.hidden_dim, kernel_init=kernel_init)
         if dc:
@@ -309,7 +310,7 @@ class CCRDecoder(nn.Module):
     def embed_words(self, ids: Array, pe: Array, deterministic: bool) -> Array:
         """``fc``(embed(ids) + pe): Linear [-> LN] -> Dropout."""
         words = self.embed(ids)
-        x = self.fc_0(words + pe.astype(words.dtype))  # the PE table is float32
+        x = self.fc_0(words + pe.astype(words.dtype))  # the PE table is float64
         if self._has_layer_norms:
             x = self.fc_1(x)
         return self.dropout(x, deterministic=deterministic)

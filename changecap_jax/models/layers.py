@@ -36,6 +36,7 @@ import numpy as np
 
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dropout import Dropout
+from changecap_jax.precision import at_least_float32
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -205,7 +206,7 @@ class MultiheadAttention(nn.Module):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         if mask is not None:
             scores = jnp.where(mask, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        probs = jax.nn.softmax(at_least_float32(scores), axis=-1).astype(q.dtype)
         if self.sow_probs and not self.is_initializing():  # init would keep them as variables
             self.sow(ATTENTION, "probs", probs)  # a no-op unless ATTENTION is mutable
         probs = self.attn_dropout(probs, deterministic=deterministic)
@@ -319,12 +320,14 @@ def embed_grid(img: nn.Module, pos_embedding: nn.Module, grid: Array) -> Array:
     return x.reshape(b, h * w, x.shape[-1])
 
 
-def sinusoid_table(length: int, dim: int) -> np.ndarray:
-    """Fixed sinusoid position table (§3.2) as float32 NumPy (length, dim).
+def sinusoid_table(length: int, dim: int, dtype: Any = np.float32) -> np.ndarray:
+    """Fixed sinusoid position table (§3.2) as NumPy (length, dim) of ``dtype``.
 
     Row p, dim pair k: pe[p, 2k] = sin(p * w_k), pe[p, 2k + 1] = cos(p * w_k) with
-    w_k = exp(-(2k) * ln(10000) / dim). Evaluated in float64 and rounded once to float32; the
-    official buffer was computed in float32 and agrees to float32 rounding (about 1e-6).
+    w_k = exp(-(2k) * ln(10000) / dim). Evaluated in float64 and rounded once to ``dtype``; the
+    official buffer was computed in float32 and agrees to float32 rounding (about 1e-6). The
+    decoders keep the float64 table and cast it to their compute dtype (float32: the same
+    single rounding).
     """
     pos = np.arange(length, dtype=np.float64)[:, None]
     two_k = np.arange(0, dim, 2, dtype=np.float64)
@@ -332,15 +335,16 @@ def sinusoid_table(length: int, dim: int) -> np.ndarray:
     table = np.zeros((length, dim), dtype=np.float64)
     table[:, 0::2] = np.sin(angles)
     table[:, 1::2] = np.cos(angles[:, : dim // 2])
-    return table.astype(np.float32)
+    return table.astype(dtype)
 
 
 def model_input(x: jax.Array) -> jax.Array:
     """A stored input as the model computes it: bfloat16 stays bfloat16 (the trunk cast it to
-    config.compute_dtype, changecap_jax/precision.py); anything else (float16 or float64
-    features, integer test inputs) becomes float32."""
+    config.compute_dtype, changecap_jax/precision.py), float64 stays float64 (x64 runs, e.g.
+    docs/reproduce.md); anything else (float16 features, integer test inputs) becomes
+    float32."""
     x = jnp.asarray(x)
-    return x if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+    return x if x.dtype in (jnp.bfloat16, jnp.float64) else x.astype(jnp.float32)
 
 
 def grid_input(x: jax.Array, use_coordinates: bool) -> jax.Array:

@@ -72,6 +72,7 @@ from changecap_jax.models.layers import (
     in_proj_xavier_uniform,
     torch_layer_norm,
 )
+from changecap_jax.precision import at_least_float32
 
 Array = jax.Array
 
@@ -219,7 +220,7 @@ class BiasFreeSelfAttention(nn.Module):
         split = lambda y: y.reshape(b, n, self.num_heads, dh)
         q = split(self.q_proj(x)) * (1.0 / math.sqrt(dh))
         k, v = split(self.k_proj(x)), split(self.v_proj(x))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)  # softmax in f32
+        scores = at_least_float32(jnp.einsum("bqhd,bkhd->bhqk", q, k))  # softmax in >= f32
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, e)
         return self.out_proj(ctx)

@@ -2,7 +2,8 @@
 
     python -m changecap_jax.reproduce --official_repo=PATH --config=configs/dirl.py[:PRESET] \
         --steps=N [--batch_size=B] [--out=DIR] [--inputs=dataset|random] \
-        [--steps_per_epoch=K] [--official_cfg=KEY=VALUE ...] [--rtol=1e-4] [--atol=0]
+        [--steps_per_epoch=K] [--official_cfg=KEY=VALUE ...] [--rtol=1e-4] [--atol=0] \
+        [--precision=float32|float64]
 
 PATH is a checkout of tuyunbin/DIRL (``configs/dirl.py``) or tuyunbin/SCORER
 (``configs/scorer.py``); torch must be installed (``requirements-torch.txt``). Both sides start
@@ -20,6 +21,12 @@ paper preset without its built dataset. ``--steps_per_epoch`` sets where both sc
 ``--official_cfg=train.optim.lr=0.0003`` merges a value into the official cfg (its own
 ``merge_cfg_from_list``), e.g. to see what a difference does.
 
+``--precision=float64`` runs both sides in float64 (default float32): ours under
+``jax_enable_x64`` with float64 parameters, Adam moments and batches, the official modules
+cast with ``.double()`` and stepped under ``torch.set_default_dtype(torch.float64)``; a part
+of either side that would still compute in float32 is an error (``reproduce/float64.py``).
+It separates float32 rounding from real differences.
+
 Exit status: 0 when every loss term agrees at every step (|ours - official| <= atol + rtol *
 max(|ours|, |official|)), 3 when one does not, 2 for a missing argument, 1 for any other
 error. docs/reproduce.md has the
@@ -31,8 +38,12 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
+
+from changecap_jax.convert import ConversionError
+from changecap_jax.reproduce import official, report, run
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py or "
@@ -49,6 +60,8 @@ flags.DEFINE_integer("caption_len", None, "Random inputs: padded caption length.
 flags.DEFINE_multi_string("official_cfg", [], "KEY=VALUE merged into the official cfg.")
 flags.DEFINE_float("rtol", 1e-4, "Relative tolerance of the loss comparison.")
 flags.DEFINE_float("atol", 0.0, "Absolute tolerance of the loss comparison.")
+flags.DEFINE_enum("precision", "float32", ["float32", "float64"],
+                  "Float precision of both sides.")
 
 EXIT_DIFFERENT, EXIT_USAGE = 3, 2
 
@@ -67,15 +80,17 @@ def main(argv: list[str]) -> None:
                "tuyunbin/DIRL or tuyunbin/SCORER); nothing was run")
     if FLAGS.config is None:
         _usage("pass --config=configs/dirl.py[:PRESET] or --config=configs/scorer.py[:PRESET]")
-    from changecap_jax.convert import ConversionError
-    from changecap_jax.reproduce import official, report, run
+    if FLAGS.precision == "float64":
+        # Process-wide before any JAX array exists (run.compare also scopes it to the run).
+        jax.config.update("jax_enable_x64", True)
 
     options = run.Options(
         official_repo=FLAGS.official_repo, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
         inputs=FLAGS.inputs, steps_per_epoch=FLAGS.steps_per_epoch,
         feature_shape=tuple(int(v) for v in FLAGS.feature_shape) if FLAGS.feature_shape
         else None, vocab_size=FLAGS.vocab_size, caption_len=FLAGS.caption_len,
-        official_cfg=tuple(FLAGS.official_cfg), rtol=FLAGS.rtol, atol=FLAGS.atol)
+        official_cfg=tuple(FLAGS.official_cfg), rtol=FLAGS.rtol, atol=FLAGS.atol,
+        precision=FLAGS.precision)
     name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
     out = FLAGS.out or os.path.join("workdir", f"reproduce_{name}")
 

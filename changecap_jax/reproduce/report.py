@@ -67,7 +67,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(f"learning rates equal at every step: {summary['lr_equal']}")
     verdict = ("every loss term agrees at every step" if summary["losses_within_tolerance"]
                else f"loss terms differ from step {summary['first_step_outside_tolerance']}")
-    lines.append(f"{verdict} (rtol {summary['rtol']:g}, atol {summary['atol']:g})")
+    lines.append(f"{verdict} (rtol {summary['rtol']:g}, atol {summary['atol']:g}, "
+                 f"{summary.get('precision', 'float32')})")
     return "\n".join(lines)
 
 

@@ -44,6 +44,7 @@ from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.data.streams import STREAM_KEYS, batch_keys
+from changecap_jax.reproduce import float64 as f64
 from changecap_jax.reproduce import official as off
 from changecap_jax.reproduce.adapters import (
     Adapter,
@@ -77,6 +78,7 @@ class Options:
     official_cfg: tuple[str, ...] = ()  # KEY=VALUE merged into the official cfg
     rtol: float = 1e-4
     atol: float = 0.0  # a loss term agrees when |ours - official| <= atol + rtol * magnitude
+    precision: str = "float32"  # or "float64": both sides (reproduce/float64.py)
 
 
 @dataclasses.dataclass
@@ -147,18 +149,19 @@ def random_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs
                   f"{shapes.caption_len}", next_batch)
 
 
-def model_batch(model: Any, batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The fields the model reads: float32 grids (a half-precision stored grid is upcast,
-    as the model does on the device) and int32 ids."""
+def model_batch(model: Any, batch: dict[str, Any], dtype: Any = np.float32
+                ) -> dict[str, np.ndarray]:
+    """The fields the model reads: grids in ``dtype`` (float32; a half-precision stored grid
+    is upcast, as the model does on the device) and int32 ids."""
     keys = list(batch_keys(model.streams))
-    return {k: np.asarray(batch[k], np.float32 if k.startswith(("before", "after")) else
+    return {k: np.asarray(batch[k], dtype if k.startswith(("before", "after")) else
                           np.int32) for k in keys}
 
 
-def caption_masks(ids: np.ndarray) -> np.ndarray:
+def caption_masks(ids: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
     """1 on the first k positions, k = the row's non-zero ids (official dataset, §2.5)."""
     length = (ids != 0).sum(axis=1, keepdims=True)
-    return (np.arange(ids.shape[1])[None, :] < length).astype(np.float32)
+    return (np.arange(ids.shape[1])[None, :] < length).astype(dtype)
 
 
 def caption_targets(ids: np.ndarray) -> np.ndarray:
@@ -171,7 +174,7 @@ def caption_targets(ids: np.ndarray) -> np.ndarray:
 def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
                 spatial_info: Any | None) -> TorchBatch:
     """Our host batch as the official loop receives it (channels first, int64 ids,
-    ``labels_with_ignore``, float masks; AddSpatialInfo when given)."""
+    ``labels_with_ignore``, masks in the grids' dtype; AddSpatialInfo when given)."""
     import torch
 
     def grid(x: np.ndarray) -> Any:
@@ -184,7 +187,8 @@ def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
         ids = batch[caption_key]
         pairs[stream] = TorchPair(
             grid(batch[after_key]), torch.from_numpy(ids.astype(np.int64)),
-            torch.from_numpy(caption_targets(ids)), torch.from_numpy(caption_masks(ids)))
+            torch.from_numpy(caption_targets(ids)),
+            torch.from_numpy(caption_masks(ids, batch["before"].dtype)))
     return TorchBatch(grid(batch["before"]), pairs)
 
 
@@ -291,18 +295,20 @@ class OursSide:
 
 
 def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
-               states: dict[str, dict[str, np.ndarray]]) -> OursSide:
-    """The official initialisation through the converter, the trainer's optimiser and step,
-    on one device."""
+               states: dict[str, dict[str, np.ndarray]], dtype: Any = np.float32) -> OursSide:
+    """The official initialisation through the converter (parameters, and so the Adam
+    moments, in ``dtype``), the trainer's optimiser and step computing in ``dtype``, on one
+    device."""
     snapshot = OfficialSnapshot(Path("<the official initialisation>"),
                                 {k: states[k] for k in OFFICIAL_SOURCES}, None, 0)
     extra = {k: v for k, v in states.items() if k not in OFFICIAL_SOURCES}
     params = converter.convert_params(config, snapshot, inputs.sizes, extra_states=extra)
+    params = jax.tree.map(lambda x: np.asarray(x, dtype), params)
     mesh = parallel.make_mesh(1)
     optimizer, schedule = train.make_optimizer(config.optim, inputs.steps_per_epoch)
     step_fn = train.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
                                     dict(config.optim.zero_grad_rows), schedule,
-                                    with_grads=True)
+                                    with_grads=True, compute_dtype=jnp.dtype(dtype))
     state = train.TrainState(step=jnp.int32(0), params=params,
                              opt_state=optimizer.init(params),
                              rng=jax.random.PRNGKey(config.seed))
@@ -341,7 +347,7 @@ def param_difference(entries: list[tables.Entry], states: dict[str, dict[str, np
     is) and ||official - ours|| / ||official - initial|| (how far apart the two are, relative
     to how far training moved them); and the largest |official - ours| over the float-noise
     ones."""
-    reference = tables.apply_table(entries, states)
+    reference = tables.apply_table(entries, states, np.float64)
     ours = flax.traverse_util.flatten_dict(jax.device_get(params), sep="/")
     worst, where, noisy, apart, moved = 0.0, "", 0.0, 0.0, 0.0
     for path, value in reference.items():
@@ -403,42 +409,70 @@ def prepare(config: ml_collections.ConfigDict, options: Options
 def compare(config: ml_collections.ConfigDict, options: Options,
             log: Callable[[dict[str, Any]], None] = lambda row: None) -> Result:
     """Runs ``options.steps`` steps on both sides; ``log`` sees every row as it is made."""
+    f64.check_precision(options.precision)
     config, adapter, notes = prepare(config, options)
     lib = off.import_official(options.official_repo, adapter.module_names(config.model))
     inputs = (random_inputs if options.inputs == "random" else dataset_inputs)(config, options)
     model = models.build(config.model, vocab_size=inputs.sizes.vocab_size,
                          max_len=inputs.sizes.max_len)
     terms = ("caption", *config.loss_weights, "total")
-    rows: list[dict[str, Any]] = []
     with off.cuda_is_identity(), jax.default_matmul_precision("highest"), \
-            warnings.catch_warnings():
+            f64.jax_precision(options.precision), warnings.catch_warnings():
         # The official CCR passes a float causal mask with a bool padding mask (CCR*.py).
         warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
         side = build_official(adapter, config, options, inputs, lib)
         notes += adapter.differences(config, side.cfg)
-        states = trim_position_tables(adapter.states(side.model), inputs.sizes)
-        ours = build_ours(config, model, inputs, states)
-        entries = registry.converter_for(config.model.name).table(config.model, inputs.sizes)
-        initial = tables.apply_table(entries, states)
-        for step in range(1, options.steps + 1):
-            batch = model_batch(model, inputs.next_batch(model))
-            tb = torch_batch(batch, tuple(model.streams), side.model.spatial_info)
-            official = _official_step_with_hint(side, tb, step)
-            mine = ours_step(ours, batch)
-            if step == 1:
-                noise = float_noise_params(entries, adapter.gradients(side.model))
-            states = trim_position_tables(adapter.states(side.model), inputs.sizes)
-            diff = param_difference(entries, states, ours.state.params, noise, initial)
-            rows.append(make_row(step, terms, official, mine, diff))
-            log(rows[-1])
+        if options.precision == "float64":
+            notes += f64.official_to_float64(side.model)
+        rows, noise = run_steps(config, options, model, inputs, side, terms, log)
     settings = {"model": config.model.name, "repository": adapter.repository,
                 "script": adapter.script(config.model), "yaml": adapter.yaml(config.model),
                 "inputs": inputs.description, "batch_size": config.batch_size,
                 "steps": options.steps, "steps_per_epoch": inputs.steps_per_epoch,
                 "official_cfg": list(options.official_cfg), "rtol": options.rtol,
-                "atol": options.atol,
+                "atol": options.atol, "precision": options.precision,
                 "float_noise_params": list(noise), "config": config.to_dict()}
-    return Result(rows, summarize(rows, terms, options.rtol, options.atol), notes, settings)
+    summary = {**summarize(rows, terms, options.rtol, options.atol),
+               "precision": options.precision}
+    return Result(rows, summary, notes, settings)
+
+
+def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, inputs: Inputs,
+              side: OfficialSide, terms: tuple[str, ...],
+              log: Callable[[dict[str, Any]], None]) -> tuple[list[dict[str, Any]],
+                                                              tuple[str, ...]]:
+    """Our side built from the official initialisation, then the steps of both sides in
+    ``options.precision``; the rows and the float-noise parameters found at step 1."""
+    adapter, dtype = side.adapter, f64.host_dtype(options.precision)
+    states = trim_position_tables(adapter.states(side.model), inputs.sizes)
+    ours = build_ours(config, model, inputs, states, dtype)
+    entries = registry.converter_for(config.model.name).table(config.model, inputs.sizes)
+    initial = tables.apply_table(entries, states, dtype)
+    rows: list[dict[str, Any]] = []
+    for step in range(1, options.steps + 1):
+        batch = model_batch(model, inputs.next_batch(model), dtype)
+        if step == 1 and options.precision == "float64":
+            check_ours_float64(ours, batch)
+        with f64.torch_precision(options.precision), f64.official_guard(options.precision):
+            tb = torch_batch(batch, tuple(model.streams), side.model.spatial_info)
+            official = _official_step_with_hint(side, tb, step)
+        mine = ours_step(ours, batch)
+        if step == 1:
+            noise = float_noise_params(entries, adapter.gradients(side.model))
+        states = trim_position_tables(adapter.states(side.model), inputs.sizes)
+        diff = param_difference(entries, states, ours.state.params, noise, initial)
+        rows.append(make_row(step, terms, official, mine, diff))
+        log(rows[-1])
+    return rows, noise
+
+
+def check_ours_float64(ours: OursSide, batch: dict[str, np.ndarray]) -> None:
+    """Refuses a float64 run whose train step (model, loss, optimiser, schedule) computes
+    anything below float64 from float64 values (:func:`float64.jax_float32_values`)."""
+    narrow = f64.jax_float32_values(ours.step_fn, ours.state, batch)
+    if narrow:
+        raise ReproduceError("float64: our train step computes in a narrower float: "
+                             + "; ".join(narrow))
 
 
 def _official_step_with_hint(side: OfficialSide, batch: TorchBatch, step: int

@@ -341,8 +341,10 @@ class DecoderLayer(nn.Module):
 def speaker_self_mask(mask: Tensor) -> Tensor:
     """§3.2 step 1: additive (1 - A) * -10000 with A[b, i, j] = mask[b, j] * [j <= i]."""
     lt = mask.shape[1]
-    causal = torch.tril(torch.ones(lt, lt, dtype=torch.float32, device=mask.device))
-    allowed = mask.float().unsqueeze(1) * causal.unsqueeze(0)
+    # A float mask keeps its dtype (float64 in the reproduce command's float64 test).
+    dtype = mask.dtype if mask.is_floating_point() else torch.float32
+    causal = torch.tril(torch.ones(lt, lt, dtype=dtype, device=mask.device))
+    allowed = mask.to(dtype).unsqueeze(1) * causal.unsqueeze(0)
     return (1.0 - allowed) * MASK_VALUE
 
 
