@@ -32,6 +32,24 @@ class TorchReferenceError(UserError, ValueError):
     PyTorch install."""
 
 
+def check_switches(model: ml_collections.ConfigDict, expected: dict[str, Any],
+                   reference: str) -> None:
+    """TorchReferenceError unless ``model`` has every switch of ``expected`` at its value: the
+    references implement the full models only, no ablation."""
+    wrong = {k: model.get(k, v) for k, v in expected.items() if model.get(k, v) != v}
+    if wrong:
+        raise TorchReferenceError(
+            f"the {reference} torch reference is the full model {expected}; the config has "
+            f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+
+
+def check_square_grid(sizes: Sizes, what: str) -> None:
+    """TorchReferenceError unless the data's grid is square (``what`` assumes it)."""
+    if sizes.grid_height != sizes.grid_width:
+        raise TorchReferenceError(f"{what} assume a square grid, got "
+                                  f"{sizes.grid_height}x{sizes.grid_width}")
+
+
 def check_has_reference(model_name: str) -> None:
     """TorchReferenceError naming the models with a reference unless ``model_name`` has one."""
     if model_name not in STEP_MODULES:

@@ -13,7 +13,7 @@ import ml_collections
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.tables import Sizes
 from changecap_jax.data.streams import pair_streams
-from changecap_jax.torch_reference import TorchReferenceError
+from changecap_jax.torch_reference import check_square_grid, check_switches
 from changecap_jax.torch_reference.dirl import (
     DIRL,
     OFF_DIAGONAL_WEIGHT,
@@ -30,19 +30,12 @@ FULL_MODEL = {"use_dirl": True, "use_ccr": True, "on_diagonal_weight": 1.0,
 
 def check_model(model: ml_collections.ConfigDict) -> None:
     """TorchReferenceError unless the reference implements ``model``'s switches."""
-    wrong = {k: model.get(k, v) for k, v in FULL_MODEL.items() if model.get(k, v) != v}
-    if wrong:
-        raise TorchReferenceError(
-            f"the DIRL+CCR torch reference is the full model {FULL_MODEL}; the config has "
-            f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+    check_switches(model, FULL_MODEL, "DIRL+CCR")
 
 
 def check_grid(sizes: Sizes) -> None:
-    """TorchReferenceError unless the data's grid is square."""
-    if sizes.grid_height != sizes.grid_width:
-        raise TorchReferenceError(
-            f"the torch reference's grid position tables assume a square grid (docs/official/ "
-            f"§3.1 step 2), got {sizes.grid_height}x{sizes.grid_width}")
+    check_square_grid(sizes, "the torch reference's grid position tables (docs/official/ "
+                             "§3.1 step 2)")
 
 
 def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:

@@ -17,7 +17,7 @@ from changecap_jax.convert.models.scorer import GENERATOR
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.tables import Sizes
 from changecap_jax.data.streams import pair_streams
-from changecap_jax.torch_reference import TorchReferenceError
+from changecap_jax.torch_reference import check_square_grid, check_switches
 from changecap_jax.torch_reference.scorer import (
     CBR,
     PAD_ID,
@@ -35,19 +35,12 @@ OFFICIAL = {"use_sim": True, "use_cbr": True, "matching": "official",
 
 def check_model(model: ml_collections.ConfigDict) -> None:
     """TorchReferenceError unless the reference implements ``model``'s switches."""
-    wrong = {k: model.get(k, v) for k, v in OFFICIAL.items() if model.get(k, v) != v}
-    if wrong:
-        raise TorchReferenceError(
-            f"the SCORER+CBR torch reference is the official model {OFFICIAL}; the config has "
-            f"{wrong} (compare the full model, e.g. the preset without its /ABLATION)")
+    check_switches(model, OFFICIAL, "SCORER+CBR")
 
 
 def check_grid(sizes: Sizes) -> None:
-    """TorchReferenceError unless the data's grid is square."""
-    if sizes.grid_height != sizes.grid_width:
-        raise TorchReferenceError(
-            f"the torch reference's grid position tables and CBR assume a square grid "
-            f"(docs/official/ §3.1 step 2, §3.3), got {sizes.grid_height}x{sizes.grid_width}")
+    check_square_grid(sizes, "the torch reference's grid position tables and CBR "
+                             "(docs/official/ §3.1 step 2, §3.3)")
 
 
 def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
