@@ -53,6 +53,7 @@ Two protocols
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -371,6 +372,31 @@ def _close_meteor(meteor: Meteor) -> None:
                 stream.close()
 
 
+_meteor_process: tuple[int, Meteor] | None = None  # (pid of its owner, the process)
+
+
+def _shared_meteor() -> Meteor:
+    """This process's METEOR JVM: started on first use, then reused by every scoring, since
+    loading its paraphrase table takes about 10 s and each set is its own EVAL request (sharing
+    changes no score). One that has exited, or belongs to a parent process, is replaced; it is
+    stopped at exit."""
+    global _meteor_process
+    if (_meteor_process is None or _meteor_process[0] != os.getpid()
+            or _meteor_process[1].meteor_p.poll() is not None):
+        meteor = Meteor()
+        atexit.register(_close_meteor, meteor)
+        _meteor_process = (os.getpid(), meteor)
+    return _meteor_process[1]
+
+
+def _discard_meteor() -> None:
+    """Stops the shared METEOR JVM (after a failed request its pipes may be out of step)."""
+    global _meteor_process
+    if _meteor_process is not None and _meteor_process[0] == os.getpid():
+        _close_meteor(_meteor_process[1])
+    _meteor_process = None
+
+
 def _spice_per_image(gts: dict[str, list[str]], res: dict[str, list[str]]) -> dict[str, float]:
     """Per-image SPICE F-scores ("All"/"f"), computed by pycocoevalcap's ``Spice`` scorer."""
     # Spice.__init__ only calls get_stanford_models(), which downloads when a jar is missing;
@@ -432,11 +458,11 @@ def _score_subsets(
     predictions: Mapping[str, str],
     meteor_score: Callable[[Meteor, dict, dict], float],
 ) -> dict[str, dict[str, float]]:
-    """BLEU-1..4, METEOR (``meteor_score`` on one shared METEOR process), ROUGE-L and CIDEr of
-    each subset of ``plan``, scored alone; subsets with the same ids are scored once."""
+    """BLEU-1..4, METEOR (``meteor_score`` on the process's shared METEOR JVM), ROUGE-L and
+    CIDEr of each subset of ``plan``, scored alone; subsets with the same ids are scored once."""
     results: dict[str, dict[str, float]] = {}
     cache: dict[tuple[str, ...], dict[str, float]] = {}
-    meteor = Meteor()
+    meteor = _shared_meteor()
     try:
         for name, ids in plan.items():
             key = tuple(ids)
@@ -451,8 +477,9 @@ def _score_subsets(
                 scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
                 cache[key] = scores
             results[name] = dict(cache[key])
-    finally:
-        _close_meteor(meteor)
+    except BaseException:
+        _discard_meteor()
+        raise
     return results
 
 

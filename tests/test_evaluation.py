@@ -537,3 +537,19 @@ def test_references_from_spot_the_diff_official_file():
     refs = ev.references_from_coco(json.loads(SPOT_GT.read_text()))
     assert len(refs) == 1270
     assert sum(len(v) for v in refs.values()) == 2107
+
+
+def test_meteor_jvm_is_shared_and_replaced_when_it_exits():
+    """One METEOR JVM serves every scoring of a process (same scores); one that has exited is
+    replaced by a fresh one, again with the same scores."""
+    predictions = {"a": "the red cube moved", "b": "a blue ball is gone"}
+    references = {"a": ["the red cube moved away", "the red block moved"],
+                  "b": ["the blue sphere is gone"]}
+    first = ev.score_captions(predictions, references, spice="off")
+    process = ev._shared_meteor().meteor_p
+    assert ev.score_captions(predictions, references, spice="off") == first
+    assert ev._shared_meteor().meteor_p is process
+    process.kill()
+    process.wait()
+    assert ev.score_captions(predictions, references, spice="off") == first
+    assert ev._shared_meteor().meteor_p is not process
