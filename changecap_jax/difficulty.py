@@ -25,6 +25,7 @@ DIRL Fig. 4): the measures behind the difficulty-binned evaluation (``evaluators
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -99,6 +100,26 @@ def cell_fractions(grid: tuple[int, int], image_size: tuple[int, int], box: Box)
     rows = overlap(ys[:-1], ys[1:], y0, y0 + h)
     cols = overlap(xs[:-1], xs[1:], x0, x0 + w)
     return rows[:, None] * cols[None, :]
+
+
+def union_fractions(grid: tuple[int, int], image_size: tuple[int, int],
+                    boxes: Sequence[Box]) -> np.ndarray:
+    """(H, W): the share of each grid cell's area inside the union of ``boxes`` (those with an
+    area; absent boxes are skipped), by inclusion-exclusion over the boxes' intersections."""
+    present = [tuple(float(v) for v in b) for b in boxes if is_box(b)]
+    total = np.zeros(grid, np.float64)
+    for size in range(1, len(present) + 1):
+        for group in itertools.combinations(present, size):
+            common = _intersection(group)
+            if common is not None:
+                total += (-1) ** (size + 1) * cell_fractions(grid, image_size, common)
+    return np.clip(total, 0.0, 1.0)
+
+
+def _intersection(boxes: Sequence[tuple[float, ...]]) -> tuple[float, ...] | None:
+    x0, y0 = max(b[0] for b in boxes), max(b[1] for b in boxes)
+    x1, y1 = min(b[0] + b[2] for b in boxes), min(b[1] + b[3] for b in boxes)
+    return (x0, y0, x1 - x0, y1 - y0) if x1 > x0 and y1 > y0 else None
 
 
 def pointing_score(heatmap: np.ndarray, fractions: np.ndarray) -> float:

@@ -244,13 +244,18 @@ def _one_line(caption: str) -> str:
 
 
 def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, list[str]]:
-    """PTB-tokenise captions exactly like ``pycocoevalcap``'s ``PTBTokenizer``, in one Java call.
+    """PTB-tokenise captions exactly like ``pycocoevalcap``'s ``PTBTokenizer``, in one Java call
+    at most.
 
     Runs ``edu.stanford.nlp.process.PTBTokenizer -preserveLines -lowerCase`` from the same
     ``stanford-corenlp-3.4.1.jar`` and removes the same punctuation tokens.  Differences, which
     change no token of a well-formed caption: the temporary input file lives in the system temp
     directory rather than inside site-packages, every line break (not only ``"\\n"``) inside a
     caption becomes a space, and the number of output lines is checked.
+
+    Lines tokenised before in this process are taken from a memo (``-preserveLines`` tokenises
+    each line on its own), so scoring the same captions again, as each evaluator of an
+    evaluation does, starts no Java process.
 
     Args:
         captions: key -> list of raw caption strings (keys may be any hashable).
@@ -266,9 +271,24 @@ def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, l
                 raise TypeError(f"caption for {key!r} is not a string: {cap!r}")
             keys.append(key)
             lines.append(_one_line(cap))
+    new_lines = list(dict.fromkeys(line for line in lines if line not in _TOKENIZED))
+    if new_lines:
+        if len(_TOKENIZED) + len(new_lines) > _TOKENIZED_LIMIT:
+            _TOKENIZED.clear()
+        _TOKENIZED.update(zip(new_lines, _run_ptb_tokenizer(new_lines), strict=True))
     out: dict[Hashable, list[str]] = {key: [] for key in captions}
-    if not lines:
-        return out
+    for key, line in zip(keys, lines, strict=True):
+        out[key].append(_TOKENIZED[line])
+    return out
+
+
+_TOKENIZED: dict[str, str] = {}  # one line -> its tokenised form, this process's memo
+_TOKENIZED_LIMIT = 1_000_000  # lines; the memo restarts beyond it
+
+
+def _run_ptb_tokenizer(lines: list[str]) -> list[str]:
+    """One Java PTBTokenizer call on ``lines`` (no line breaks inside): their tokenised forms,
+    punctuation tokens removed."""
     java = _require_java()
     fd, tmp_name = tempfile.mkstemp(prefix="ptb_", suffix=".txt")
     try:
@@ -297,10 +317,8 @@ def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, l
             "the caption/line alignment is broken"
         )
     punct = set(_ptb.PUNCTUATIONS)
-    for key, line in zip(keys, token_lines, strict=False):
-        tokens = [w for w in line.rstrip().split(" ") if w not in punct]
-        out[key].append(" ".join(tokens))
-    return out
+    return [" ".join(w for w in line.rstrip().split(" ") if w not in punct)
+            for line in token_lines[:len(lines)]]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ word and the final END), then laid out on the image grid by the model's ``MEMORY
 (``models/base.py``). It uses only that documented hook: no model-specific code lives here.
 
 Also here: drawing a heatmap over an image, and the localization measure of the synthetic
-dataset (does the heatmap's peak fall inside the changed object's box?).
+dataset (does the heatmap's peak fall inside the changed object's box?), scored like the
+difficulty bins' pointing game (``difficulty.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from changecap_jax import difficulty
 from changecap_jax.models.base import ATTENTION, MEMORY_LAYOUTS
 
 Array = jax.Array
@@ -135,46 +137,25 @@ def overlay(image: np.ndarray, heatmap: np.ndarray, alpha: float = 0.5) -> np.nd
 # ---------------------------------------------------------------------------------------------
 
 
-def cell_centres(grid: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
-    """(H, W, 2) pixel (x, y) centres of the grid cells over an image of (height, width)."""
-    gh, gw = grid
-    ih, iw = image_size
-    ys = (np.arange(gh) + 0.5) * ih / gh
-    xs = (np.arange(gw) + 0.5) * iw / gw
-    return np.stack(np.meshgrid(xs, ys), axis=-1)
-
-
-def cells_in_boxes(grid: tuple[int, int], image_size: tuple[int, int],
-                   boxes: list[np.ndarray]) -> np.ndarray:
-    """(H, W) bool: the cells whose centre lies inside any of ``boxes`` ([x, y, w, h] pixels;
-    a box with a negative width, the builder's "absent", is skipped)."""
-    centres = cell_centres(grid, image_size)
-    inside = np.zeros(grid, bool)
-    for x, y, w, h in boxes:
-        if w < 0 or h < 0:
-            continue
-        inside |= ((centres[..., 0] >= x) & (centres[..., 0] <= x + w)
-                   & (centres[..., 1] >= y) & (centres[..., 1] <= y + h))
-    return inside
-
-
 class Localization(NamedTuple):
-    hit_rate: float  # share of pairs whose heatmap peak cell lies in the changed object's box
-    uniform_rate: float  # the expected share for a peak drawn uniformly over the grid
+    hit_rate: float  # mean pointing-game hit of the heatmaps' peaks in the changed object's box
+    uniform_rate: float  # the same for a uniform map: the boxes' mean share of the image
     num_pairs: int
 
 
 def localization(heatmaps: np.ndarray, boxes_before: np.ndarray, boxes_after: np.ndarray,
                  image_size: tuple[int, int]) -> Localization:
-    """Peak-in-box rate of (N, H, W) heatmaps against each pair's changed-object boxes in the
-    before and the after image (either counts), beside the uniform-random baseline (the mean
-    share of cells inside those boxes)."""
+    """Pointing game of (N, H, W) heatmaps against each pair's changed-object boxes in the
+    before and the after image (their union), scored as the difficulty bins score it
+    (``difficulty.pointing_score``: the peak cells' mean area share inside the boxes, so a
+    single peak cell wholly inside scores 1 and ties are shared), beside the score of a uniform
+    map (the share of the image the boxes cover)."""
     if len(heatmaps) == 0:
         raise ValueError("no heatmaps to score")
     grid = heatmaps.shape[1:3]
     hits, uniform = [], []
     for heat, bb, ba in zip(heatmaps, boxes_before, boxes_after, strict=True):
-        inside = cells_in_boxes(grid, image_size, [bb, ba])
-        hits.append(bool(inside.reshape(-1)[int(np.argmax(heat))]))
+        inside = difficulty.union_fractions(grid, image_size, [bb, ba])
+        hits.append(difficulty.pointing_score(heat, inside))
         uniform.append(float(inside.mean()))
     return Localization(float(np.mean(hits)), float(np.mean(uniform)), len(hits))

@@ -2,9 +2,11 @@
 
 On a dataset whose records carry the changed object's boxes (the synthetic set), decodes the
 semantic-change pairs of a split with an exported model, takes each pair's attention heatmap
-(``explain``), and counts how often the heatmap's peak cell lies inside the changed object's
-box in the before or the after image. The baseline is a peak drawn uniformly over the grid:
-its expected rate is the mean share of grid cells inside those boxes. Printed per change type.
+(``explain``), and plays the pointing game with it: does the heatmap's peak lie inside the
+changed object's box in the before or the after image? A peak cell scores its area share
+inside the boxes and tied peaks share the score, as in the difficulty bins
+(``difficulty.pointing_score``). The baseline is a uniform map: it scores the boxes' share of
+the image. Printed per change type.
 
     --model=DIR        an exported model (python -m changecap_jax.export)
     --split=test       which split
@@ -74,7 +76,7 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
 
 
 def format_results(results: dict[str, explain.Localization]) -> str:
-    lines = [f"{'pairs':<10}{'n':>6}{'peak in box':>14}{'uniform':>10}"]
+    lines = [f"{'pairs':<10}{'n':>6}{'pointing':>14}{'uniform':>10}"]
     for name, r in results.items():
         lines.append(f"{name:<10}{r.num_pairs:>6}{100 * r.hit_rate:>13.1f}%"
                      f"{100 * r.uniform_rate:>9.1f}%")

@@ -62,6 +62,33 @@ def test_cell_fractions_cover_the_box_area():
     assert fractions[[0, 2, 3]].sum() == 0
 
 
+def _supersampled_union(grid, image_size, boxes, factor=40):
+    """Each cell's share inside the union, by testing a fine lattice of points in it."""
+    (gh, gw), (ih, iw) = grid, image_size
+    ys = (np.arange(gh * factor) + 0.5) * ih / (gh * factor)
+    xs = (np.arange(gw * factor) + 0.5) * iw / (gw * factor)
+    inside = np.zeros((len(ys), len(xs)), bool)
+    for x, y, w, h in boxes:
+        if w > 0 and h > 0:
+            inside |= ((xs[None, :] >= x) & (xs[None, :] <= x + w)
+                       & (ys[:, None] >= y) & (ys[:, None] <= y + h))
+    return inside.reshape(gh, factor, gw, factor).mean(axis=(1, 3))
+
+
+@pytest.mark.parametrize("boxes", [
+    [[60, 30, 80, 20], [-1, -1, -1, -1]],           # one box, the other absent
+    [[0, 0, 100, 50], [50, 0, 100, 50]],             # overlapping: the overlap counts once
+    [[10, 10, 30, 30], [120, 60, 70, 35]],           # disjoint
+    [[20, 20, 100, 60], [40, 30, 20, 20], [30, 25, 50, 50]],  # nested, three boxes
+])
+def test_union_fractions_match_a_supersampled_union(boxes):
+    got = difficulty.union_fractions((4, 4), (100, 200), boxes)
+    np.testing.assert_allclose(got, _supersampled_union((4, 4), (100, 200), boxes), atol=0.02)
+    single = [b for b in boxes if b[2] > 0]
+    if len(single) == 1:
+        np.testing.assert_allclose(got, difficulty.cell_fractions((4, 4), (100, 200), single[0]))
+
+
 @pytest.mark.parametrize("box", [[16, 0, 16, 32], [10, 20, 30, 25]])
 def test_pointing_known_answers(box):
     fractions = difficulty.cell_fractions(GRID, IMAGE, box)

@@ -291,6 +291,24 @@ def test_ptb_tokenize_matches_pycocoevalcap_and_keeps_alignment():
     assert {k: out[k] for k in expected} == expected
 
 
+def test_ptb_tokenize_memo_gives_the_fresh_tokens_and_skips_java(monkeypatch):
+    """A second tokenisation of known lines starts no Java; a call mixing known and new lines
+    tokenises only the new ones and returns what a fresh call returns."""
+    captions = {"a": ["The RED cube moved.", 'a "quoted" word, here'],
+                "b": ["Nothing changed!", "The RED cube moved."]}
+    monkeypatch.setattr(ev, "_TOKENIZED", {})
+    fresh = ev.ptb_tokenize(captions)
+    runs: list[list[str]] = []
+    real = ev._run_ptb_tokenizer
+    monkeypatch.setattr(ev, "_run_ptb_tokenizer", lambda lines: runs.append(lines) or real(lines))
+    assert ev.ptb_tokenize(dict(reversed(captions.items()))) == fresh and runs == []
+    mixed = {"c": ["A new caption, surely."], **captions}
+    got = ev.ptb_tokenize(mixed)
+    assert runs == [["A new caption, surely."]]
+    monkeypatch.setattr(ev, "_TOKENIZED", {})
+    assert got == ev.ptb_tokenize(mixed) == {"c": ["a new caption surely"], **fresh}
+
+
 # ---------------------------------------------------------------------------------------------
 # SPICE
 # ---------------------------------------------------------------------------------------------

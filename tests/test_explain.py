@@ -94,25 +94,24 @@ def test_model_without_layout_is_refused(monkeypatch):
         explain.attention_maps(model, variables, before, after, np.zeros((B, L), np.int32))
 
 
-def test_cells_in_boxes_and_localization():
-    # A 4 x 4 grid over a 100 x 200 (h x w) image: cell centres x = 25, 75, 125, 175 and
-    # y = 12.5, 37.5, 62.5, 87.5.
-    inside = explain.cells_in_boxes((4, 4), (100, 200), [np.array([60, 30, 80, 20]),
-                                                         np.array([-1, -1, -1, -1])])
-    expected = np.zeros((4, 4), bool)
-    expected[1, 1] = expected[1, 2] = True  # y 37.5 in [30, 50]; x 75, 125 in [60, 140]
-    np.testing.assert_array_equal(inside, expected)
-
-    heat = np.full((3, 4, 4), 0.01, np.float32)
-    heat[0, 1, 2] = 1.0  # peak inside the before box
+def test_localization_is_the_pointing_game_on_the_union_of_the_boxes():
+    # A 4 x 4 grid over a 100 x 200 (h x w) image: cells 25 high and 50 wide. The before box
+    # [60, 30, 80, 20] covers 0.8 x 0.8 = 0.64 of cells (1, 1) and (1, 2); the after box
+    # [150, 0, 50, 25] is exactly cell (0, 3).
+    heat = np.full((4, 4, 4), 0.01, np.float32)
+    heat[0, 1, 2] = 1.0  # peak in a cell 64 % inside the before box
     heat[1, 3, 0] = 1.0  # peak outside both boxes
-    heat[2, 0, 3] = 1.0  # peak inside the after box only (the object was added)
+    heat[2, 0, 3] = 1.0  # peak on the after box only (the object was added)
+    heat[3] = 1.0        # uniform: every cell ties at the peak
     absent = np.array([-1, -1, -1, -1], np.float32)
-    boxes_before = np.array([[60, 30, 80, 20], [60, 30, 80, 20], absent], np.float32)
-    boxes_after = np.array([absent, absent, [150, 0, 50, 25]], np.float32)
+    boxes_before = np.array([[60, 30, 80, 20], [60, 30, 80, 20], absent, [0, 0, 100, 50]],
+                            np.float32)
+    boxes_after = np.array([absent, absent, [150, 0, 50, 25], [50, 0, 100, 50]], np.float32)
     result = explain.localization(heat, boxes_before, boxes_after, (100, 200))
-    assert result.hit_rate == pytest.approx(2 / 3) and result.num_pairs == 3
-    assert result.uniform_rate == pytest.approx(np.mean([2 / 16, 2 / 16, 1 / 16]))
+    # Pair 3's boxes overlap: their union is rows 0-1, columns 0-2, 6 of 16 cells.
+    assert result.num_pairs == 4
+    assert result.hit_rate == pytest.approx((0.64 + 0 + 1 + 6 / 16) / 4)
+    assert result.uniform_rate == pytest.approx((0.08 + 0.08 + 1 / 16 + 6 / 16) / 4)
 
 
 def test_overlay_keeps_size_and_marks_the_peak():
