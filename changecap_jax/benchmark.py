@@ -31,7 +31,10 @@ Prints, in this order (the first six lines as before):
   loader and transfer to the devices, no step) and which of input and step is the bottleneck;
 * with ``--compare_torch``: the median step of the model's torch reference, run on the same
   batches from the same initial weights alternately with the JAX step, the ratio torch / JAX,
-  torch's thread count and both first-step losses (changecap_jax/benchmark_torch.py).
+  torch's thread count and both first-step losses (changecap_jax/benchmark_torch.py); then,
+  unless ``--decode_batches=0``, both sides' greedy decoding of the eval batch from the same
+  initial weights, alternating (``--decode_batches`` rounds): the ratio, the share of
+  identical captions and the largest log-probability difference.
 
 ``--json=PATH`` writes every number, the config and the devices (atomically).
 """
@@ -325,6 +328,8 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
     if reference is not None:
         epoch = setup.experiment.steps_per_epoch if setup.experiment else SYNTHETIC_STEPS_PER_EPOCH
         results.update(torch_side.compare(reference, setup, config, steps, epoch))
+        if decode_batches > 0:
+            results.update(torch_side.compare_decode(reference, setup, decode_batches))
     return results
 
 
@@ -391,7 +396,19 @@ def torch_lines(r: dict[str, Any]) -> list[str]:
             f"(JAX {r['torch_jax_step_s']:.3f} s/step in the same {r['torch_steps']} "
             "alternating rounds)",
             f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
-            f"jax {r['loss_first_step']:.6f}"]
+            f"jax {r['loss_first_step']:.6f}"] + torch_decode_lines(r)
+
+
+def torch_decode_lines(r: dict[str, Any]) -> list[str]:
+    """The decoding lines of ``--compare_torch`` (none when no decoding was timed)."""
+    if r.get("torch_decode_s") is None:
+        return []
+    return [f"torch reference greedy decode: median {r['torch_decode_s']:.3f} s per batch of "
+            f"{r['torch_decode_pairs']}; torch/jax ratio {r['torch_decode_over_jax']:.2f} "
+            f"(JAX {r['torch_decode_jax_s']:.3f} s in the same {r['torch_decode_rounds']} "
+            "alternating rounds)",
+            f"same initial weights: {100 * r['torch_decode_same_captions']:.1f}% of the captions "
+            f"identical, largest log-prob difference {r['torch_decode_max_log_prob_diff']:.2e}"]
 
 
 def _shapes_from_flags(config: ml_collections.ConfigDict) -> Any:

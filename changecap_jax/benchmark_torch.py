@@ -17,10 +17,11 @@ from typing import Any
 
 import flax.traverse_util
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from changecap_jax import torch_reference, train
+from changecap_jax import decoding, torch_reference, train
 from changecap_jax.convert import registry, tables
 from changecap_jax.data.streams import BEFORE, STREAMS
 from changecap_jax.torch_reference import TorchReferenceError
@@ -69,13 +70,15 @@ def shared_params(config: ml_collections.ConfigDict, sizes: tables.Sizes, step: 
 def prepare(config: ml_collections.ConfigDict, setup: Any, threads: int = 0) -> Any:
     """Builds the reference (``torch_reference.train_step.ReferenceStep``, with ``threads``
     torch CPU threads, 0: torch's default) and gives ``setup.state`` its initial weights; call
-    it before the first JAX step."""
+    it before the first JAX step. The step keeps a copy of those JAX weights
+    (``initial_params``) for :func:`compare_decode`: the train step donates its state."""
     check_config(config)
     host = jax.device_get(setup.batches[0])
     sizes = data_sizes(setup.model, host)
     step = torch_reference.reference_step(config, sizes, jax.devices()[0].platform, threads)
     params = shared_params(config, sizes, step, setup.state.params)
     setup.state = setup.state.replace(params=params)
+    step.initial_params = jax.tree.map(jnp.copy, params)
     return step
 
 
@@ -113,3 +116,40 @@ def compare(step: Any, setup: Any, config: ml_collections.ConfigDict, steps: int
             "torch_threads": step.threads, "torch_device": step.device.type,
             "torch_loss_first_step": torch_first, "torch_steps": steps}
 
+
+def compare_decode(step: Any, setup: Any, rounds: int) -> dict[str, Any]:
+    """Greedy decoding of the benchmark's eval batch by both sides from the shared initial
+    weights: one untimed call each (JAX's compile), then ``rounds`` alternating timed rounds
+    (JAX, torch). The reference decodes as the official test loop does (encoder, then the
+    whole decoder rerun on the prefix at every step); the JAX side is evaluation's cached
+    greedy decoding. Also returns the share of captions the two sides decode identically and
+    the largest difference of a chosen token's log-probability."""
+    inputs = setup.decode_inputs
+    if inputs["conditioning"]:
+        raise TorchReferenceError("the torch reference decodes models without extra inputs only")
+    step.restore_initial()
+    variables = {"params": step.initial_params}
+    before_host, after_host = jax.device_get((inputs["before"], inputs["after"]))
+
+    def jax_decode() -> Any:
+        out = decoding.greedy_decode(setup.model, variables, inputs["before"], inputs["after"],
+                                     max_len=setup.max_len)
+        return jax.block_until_ready(out)
+
+    def torch_decode() -> tuple[np.ndarray, np.ndarray]:
+        return step.greedy(before_host, after_host, setup.max_len)
+
+    ours = jax.device_get(jax_decode())
+    theirs_ids, theirs_log_probs = torch_decode()
+    jax_times, torch_times = [], []
+    for _ in range(rounds):
+        jax_times.append(_timed(jax_decode))
+        torch_times.append(_timed(torch_decode))
+    same = np.all(np.asarray(ours.ids) == theirs_ids, axis=1)
+    torch_s, jax_s = statistics.median(torch_times), statistics.median(jax_times)
+    return {"torch_decode_s": torch_s, "torch_decode_jax_s": jax_s,
+            "torch_decode_over_jax": torch_s / jax_s, "torch_decode_rounds": rounds,
+            "torch_decode_pairs": int(len(same)),
+            "torch_decode_same_captions": float(same.mean()),
+            "torch_decode_max_log_prob_diff": float(
+                np.max(np.abs(np.asarray(ours.log_probs) - theirs_log_probs)))}

@@ -139,3 +139,22 @@ def test_dataset_batches(small_synthetic):
     assert results["inputs"] == "dataset"
     assert results["torch_loss_first_step"] == pytest.approx(results["loss_first_step"],
                                                              abs=1e-5)
+
+
+@pytest.mark.parametrize("module, model", [
+    (dirl, dict(ffn_dim=16, mlp_hidden_dim=16)),
+    (scorer, {}),
+], ids=["dirl", "scorer"])
+def test_greedy_decoding_from_the_same_weights_agrees(module, model):
+    """After the train-step rounds (which moved both sides' weights) the decoding comparison
+    starts both from the shared initial weights: the same captions and log-probabilities."""
+    config = tiny(module, **model)
+    results = benchmark.run(config, steps=2, decode_batches=2, synthetic_inputs=True,
+                            shapes=SHAPES, matmul_size=0, compare_torch=True, torch_threads=1)
+    assert results["torch_decode_pairs"] == BATCH and results["torch_decode_rounds"] == 2
+    assert results["torch_decode_same_captions"] == 1.0
+    assert results["torch_decode_max_log_prob_diff"] < 1e-5
+    assert math.isfinite(results["torch_decode_over_jax"]) and results["torch_decode_over_jax"] > 0
+    lines = benchmark.torch_lines(results)
+    assert lines[2].startswith("torch reference greedy decode: median ")
+    assert "100.0% of the captions identical" in lines[3]

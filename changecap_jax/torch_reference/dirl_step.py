@@ -19,6 +19,7 @@ from changecap_jax.torch_reference.dirl import (
     OFF_DIAGONAL_WEIGHT,
     CCRSpeaker,
     dirl_pair_losses,
+    sample,
 )
 from changecap_jax.torch_reference.scorer import PAD_ID
 from changecap_jax.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
@@ -66,4 +67,6 @@ def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
         sources={ENCODER: encoder, DECODER: speaker},
         streams=pair_streams(model.pairs), spatial_info=bool(model.use_coordinates),
         losses=losses, aux_losses=("dirl", "ccr"),
-        zero_grad_rows={"decoder/embed/embedding": PAD_ID})
+        zero_grad_rows={"decoder/embed/embedding": PAD_ID},
+        greedy=lambda before, after, max_len: tuple(
+            sample(speaker, *encoder(before, after)[:2], max_len=max_len)))

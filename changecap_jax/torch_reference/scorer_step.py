@@ -24,6 +24,7 @@ from changecap_jax.torch_reference.scorer import (
     ChangeDetector,
     Speaker,
     clamp_logit_scales,
+    sample,
     scorer_pair_losses,
 )
 from changecap_jax.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
@@ -73,4 +74,6 @@ def build(model: ml_collections.ConfigDict, sizes: Sizes) -> ReferenceModel:
         streams=pair_streams(model.pairs), spatial_info=bool(model.use_coordinates),
         losses=losses, aux_losses=("sim", "cbr"),
         zero_grad_rows={"decoder/embed/embedding": PAD_ID},
-        after_step=lambda: clamp_logit_scales(detector, generator))
+        after_step=lambda: clamp_logit_scales(detector, generator),
+        greedy=lambda before, after, max_len: tuple(
+            sample(speaker, detector(before, after).memory, max_len=max_len)))

@@ -13,6 +13,7 @@ last, caption ids) converted as the official dataset hands them to its models (d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,6 +71,9 @@ class ReferenceModel:
       zero_grad_rows: the embedding rows whose gradient the reference keeps at zero (torch's
         ``padding_idx``), as ``config.optim.zero_grad_rows`` names them.
       after_step: what the official loop does after ``optimizer.step()``.
+      greedy: (before, after grids as :meth:`ReferenceStep.batch` converts them, max_len) ->
+        the official test-time greedy ``sample()``'s (ids, log_probs), each (B, max_len); the
+        modules are in eval mode and gradients off when it is called.
     """
 
     groups: dict[str, nn.Module]
@@ -80,6 +84,7 @@ class ReferenceModel:
     aux_losses: tuple[str, ...]
     zero_grad_rows: dict[str, int]
     after_step: Callable[[], None] = _nothing
+    greedy: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]] | None = None
 
 
 def seed(value: int) -> None:
@@ -147,6 +152,9 @@ class ReferenceStep:
             self.trained, lr=float(optim.learning_rate), betas=(float(optim.b1), float(optim.b2)),
             eps=float(optim.eps), weight_decay=float(optim.get("weight_decay", 0.0)))
         self.clip_norm = float(optim.get("grad_clip_norm") or 0.0)
+        # The weights the JAX state starts from, for a decoding comparison after training steps.
+        self.initial = {name: copy.deepcopy(module.state_dict())
+                        for name, module in model.groups.items()}
 
     @property
     def threads(self) -> int:
@@ -164,6 +172,31 @@ class ReferenceStep:
         """Converter source -> the module's state_dict as NumPy arrays."""
         return {source: {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
                 for source, module in self.model.sources.items()}
+
+    def restore_initial(self) -> None:
+        """Every module back to the weights it had when the step was built."""
+        for name, module in self.model.groups.items():
+            module.load_state_dict(self.initial[name])
+
+    def greedy(self, before: np.ndarray, after: np.ndarray,
+               max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy captions (ids, log_probs) of channels-last grids, as the official test loop
+        decodes: eval mode (no dropout), no gradients; training mode again afterwards."""
+        if self.model.greedy is None:
+            raise TorchReferenceError("this torch reference has no greedy decoding")
+        spatial = self.model.spatial_info
+        grids = (torch_grid(before, spatial, self.device), torch_grid(after, spatial, self.device))
+        for module in self.model.groups.values():
+            module.eval()
+        try:
+            with torch.no_grad():
+                ids, log_probs = self.model.greedy(*grids, max_len)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            for module in self.model.groups.values():
+                module.train()
+        return ids.cpu().numpy(), log_probs.cpu().numpy()
 
     def __call__(self, batch: TorchBatch, learning_rate: float) -> float:
         """One step at ``learning_rate``; returns the total loss before the update."""
