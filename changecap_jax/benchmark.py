@@ -25,8 +25,9 @@ Prints, in this order (the first six lines as before):
 * peak memory (device memory stats where the backend has them, else the process's peak RSS);
 * the step's XLA cost (``cost_analysis``: FLOPs and bytes accessed per step, per device) and
   its achieved FLOP/s, as a percentage of a plain jitted float32 ``--matmul_size`` square
-  matmul's, timed after each step so both see the same machine load (the device's practical
-  peak at the default matmul precision, which the model gets too);
+  matmul's, timed after each step so both see the same machine load (one untimed matmul,
+  then the median of three: the device's practical peak at the default matmul precision,
+  which the model gets too);
 * with a dataset: the input pipeline's examples/s read alone (``--input_batches`` batches,
   loader and transfer to the devices, no step) and which of input and step is the bottleneck;
 * with ``--compare_torch``: the median step of the model's torch reference, run on the same
@@ -176,20 +177,32 @@ def xla_cost(compiled: Any) -> dict[str, float]:
                                else None)}
 
 
+MATMUL_REPEATS = 3  # timed matmuls after each step, after one untimed
+
+
 def matmul_timer(n: int) -> tuple[Callable[[], float], float]:
-    """(time one run, FLOPs) of a jitted float32 (n, n) @ (n, n), compiled and warmed up."""
+    """(time one matmul, FLOPs) of a jitted float32 (n, n) @ (n, n), compiled and warmed up.
+
+    Each measurement runs the matmul once untimed, then returns the median of
+    ``MATMUL_REPEATS`` timed runs: the first matmul after a train step runs about a third
+    slower than the next ones on the development CPU (docs/performance.md), which would
+    understate the machine's matmul rate and overstate the step's share of it."""
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (n, n), jnp.float32)
     b = jax.random.normal(kb, (n, n), jnp.float32)
     matmul = jax.jit(jnp.matmul)
     jax.block_until_ready(matmul(a, b))
 
-    def once() -> float:
+    def one() -> float:
         t = time.perf_counter()
         jax.block_until_ready(matmul(a, b))
         return time.perf_counter() - t
 
-    return once, 2.0 * n ** 3
+    def measure() -> float:
+        one()
+        return statistics.median(one() for _ in range(MATMUL_REPEATS))
+
+    return measure, 2.0 * n ** 3
 
 
 def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any]:
