@@ -48,7 +48,6 @@ Protocol every model implements (linen methods called through ``model.apply``):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -58,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from changecap_jax import precision
+from changecap_jax.inference_jit import inference_jit
 from changecap_jax.models.base import DecodingRules, decoding_rules
 
 Array = jax.Array
@@ -93,7 +93,7 @@ def _without_cache(variables: Any) -> dict:
     return {k: v for k, v in dict(variables).items() if k != "cache"}
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "greedy"))
+@inference_jit(static_argnames=("model", "max_len", "greedy"))
 def _cached_decode(
     model: nn.Module,
     variables: Any,
@@ -165,13 +165,13 @@ def sample_decode(
                           dict(conditioning or {}))
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
+@inference_jit(static_argnames=("model",))
 def _encode(model: nn.Module, variables: Any, before: Any, after: Any,
             conditioning: dict | None = None) -> Any:
     return model.apply(variables, before, after, method="encode", **(conditioning or {}))
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
+@inference_jit(static_argnames=("model",))
 def _full_logits(model: nn.Module, variables: Any, memory: Any, ids: Array) -> Array:
     return model.apply(variables, memory, ids, method="decode")
 
@@ -221,9 +221,7 @@ def gnmt_length_penalty(lengths: Array, alpha: float) -> Array:
     return ((5.0 + lengths.astype(jnp.float32)) / 6.0) ** alpha
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty")
-)
+@inference_jit(static_argnames=("model", "beam_size", "max_len", "length_penalty"))
 def _beam_search(
     model: nn.Module,
     variables: Any,

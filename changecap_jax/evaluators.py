@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from changecap_jax import difficulty, evaluation, explain, precision
 from changecap_jax.data import entity_inputs
 from changecap_jax.data.streams import DISTRACTOR_LABELS
+from changecap_jax.inference_jit import inference_jit
 from changecap_jax.models import contract
 
 
@@ -100,7 +101,7 @@ class DistractorAccuracy:
     def __init__(self, model: Any, compute_dtype: Any):
         self.extra: dict[str, dict[str, Any]] = {}
         # The classifier's jitted log-probs (B, 2).
-        self.judge = jax.jit(lambda params, before, after: jax.nn.log_softmax(
+        self.judge = inference_jit(lambda params, before, after: jax.nn.log_softmax(
             model.apply(*precision.cast_floating(({"params": params}, before, after),
                                                  compute_dtype),
                         method=contract.distractor_classifier(model)).astype(jnp.float32)))
@@ -178,7 +179,7 @@ class DifficultyBins:
                 ({"params": params}, before, after, conditioning), compute_dtype)
             return explain.query_attention(model, variables, before, after, ids, conditioning)
 
-        self.attention = jax.jit(attention)  # (B, L, M) per query
+        self.attention = inference_jit(attention)  # (B, L, M) per query
 
     def start(self, split: str) -> None:
         self.extra = {}

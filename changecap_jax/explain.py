@@ -12,7 +12,6 @@ difficulty bins' pointing game (``difficulty.py``).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -22,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from changecap_jax import difficulty
+from changecap_jax.inference_jit import inference_jit
 from changecap_jax.models.base import ATTENTION, MEMORY_LAYOUTS
 
 Array = jax.Array
@@ -51,7 +51,7 @@ def query_attention(model: nn.Module, variables: Any, before: Any, after: Any, i
     return jnp.mean(jnp.stack([p.astype(jnp.float32).mean(axis=1) for p in probs]), axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
+@inference_jit(static_argnames=("model",))
 def _word_attention(model: nn.Module, variables: Any, before: Any, after: Any,
                     ids: Array, conditioning: dict) -> Array:
     """(B, M): cross-attention from the positions that predicted ``ids``' words to the memory,

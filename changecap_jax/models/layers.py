@@ -149,6 +149,11 @@ def make_attention_mask(
     return mask
 
 
+def _heads_first(x: Array) -> Array:
+    """(B, L, H, D) -> (B, H, D, L), the key/value cache layout."""
+    return jnp.transpose(x, (0, 2, 3, 1))
+
+
 class MultiheadAttention(nn.Module):
     """torch ``nn.MultiheadAttention`` (batch-first), with an optional key/value cache.
 
@@ -161,9 +166,9 @@ class MultiheadAttention(nn.Module):
     Cache (collection ``'cache'``, used by incremental decoding):
       * :meth:`init_self_cache` / :meth:`step_self`: self-attention over a growing prefix; keys and
         values of the positions decoded so far are kept in ``cached_key`` / ``cached_value``
-        (B, max_len, H, E/H) and each step writes one position.
+        (B, H, E/H, max_len) and each step writes one position.
       * :meth:`init_cross_cache` / :meth:`step_cross`: cross-attention to a fixed memory whose
-        keys and values (``memory_key`` / ``memory_value``) are projected once.
+        keys and values (``memory_key`` / ``memory_value``, (B, H, E/H, N)) are projected once.
     """
 
     embed_dim: int
@@ -201,16 +206,18 @@ class MultiheadAttention(nn.Module):
         return self._split(self.k_proj(x)), self._split(self.v_proj(x))
 
     def _attend(
-        self, q: Array, k: Array, v: Array, mask: Array | None, deterministic: bool
+        self, q: Array, k: Array, v: Array, mask: Array | None, deterministic: bool,
+        kv_layout: str = "bkhd",
     ) -> Array:
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        """q (B, Lq, H, D); k, v (B, Lk, H, D), or (B, H, D, Lk) with ``kv_layout="bhdk"``."""
+        scores = jnp.einsum(f"bqhd,{kv_layout}->bhqk", q, k)
         if mask is not None:
             scores = jnp.where(mask, scores, -jnp.inf)
         probs = jax.nn.softmax(at_least_float32(scores), axis=-1).astype(q.dtype)
         if self.sow_probs and not self.is_initializing():  # init would keep them as variables
             self.sow(ATTENTION, "probs", probs)  # a no-op unless ATTENTION is mutable
         probs = self.attn_dropout(probs, deterministic=deterministic)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        ctx = jnp.einsum(f"bhqk,{kv_layout}->bqhd", probs, v)
         return self.out_proj(ctx.reshape(*ctx.shape[:-2], self.embed_dim))
 
     def __call__(
@@ -231,35 +238,42 @@ class MultiheadAttention(nn.Module):
 
     # ---- incremental decoding -------------------------------------------------------------
 
+    # Both caches are stored heads first, (B, H, E/H, positions): the layout the per-step dots
+    # read. In the token-major layout every decoding step transposed the whole cache again
+    # (XLA does not hoist such a transpose out of the decoding loop).
     def init_self_cache(self, batch_size: int, max_len: int) -> None:
-        shape = (batch_size, max_len, self.num_heads, self.head_dim)
+        shape = (batch_size, self.num_heads, self.head_dim, max_len)
         self.put_variable("cache", "cached_key", jnp.zeros(shape, jnp.float32))
         self.put_variable("cache", "cached_value", jnp.zeros(shape, jnp.float32))
 
     def init_cross_cache(self, memory: Array) -> None:
         k, v = self._key_value(memory)
-        self.put_variable("cache", "memory_key", k)
-        self.put_variable("cache", "memory_value", v)
+        self.put_variable("cache", "memory_key", _heads_first(k))
+        self.put_variable("cache", "memory_value", _heads_first(v))
 
     def step_self(self, inputs_q: Array, index: Array, *, deterministic: bool = True) -> Array:
         """Self-attention of the token at position ``index`` (B, 1, E) over positions 0..index."""
         k_new, v_new = self._key_value(inputs_q)
         cached_k = self.get_variable("cache", "cached_key")
         cached_v = self.get_variable("cache", "cached_value")
-        start = (0, index, 0, 0)
-        keys = jax.lax.dynamic_update_slice(cached_k, k_new.astype(cached_k.dtype), start)
-        values = jax.lax.dynamic_update_slice(cached_v, v_new.astype(cached_v.dtype), start)
+        start = (0, 0, 0, index)
+        keys = jax.lax.dynamic_update_slice(
+            cached_k, _heads_first(k_new).astype(cached_k.dtype), start)
+        values = jax.lax.dynamic_update_slice(
+            cached_v, _heads_first(v_new).astype(cached_v.dtype), start)
         self.put_variable("cache", "cached_key", keys)
         self.put_variable("cache", "cached_value", values)
         # Causal mask of the full-recompute decoder, row `index`: keys 0..index are visible.
-        mask = (jnp.arange(keys.shape[1]) <= index)[None, None, None, :]
-        return self._attend(self._query(inputs_q), keys, values, mask, deterministic)
+        mask = (jnp.arange(keys.shape[-1]) <= index)[None, None, None, :]
+        return self._attend(self._query(inputs_q), keys, values, mask, deterministic,
+                            kv_layout="bhdk")
 
     def step_cross(self, inputs_q: Array, *, deterministic: bool = True) -> Array:
         """Cross-attention of (B, 1, E) queries to the memory stored by :meth:`init_cross_cache`."""
         keys = self.get_variable("cache", "memory_key")
         values = self.get_variable("cache", "memory_value")
-        return self._attend(self._query(inputs_q), keys, values, None, deterministic)
+        return self._attend(self._query(inputs_q), keys, values, None, deterministic,
+                            kv_layout="bhdk")
 
 
 # --------------------------------------------------------------------------------------------
