@@ -44,7 +44,15 @@ import numpy as np
 from changecap_jax.data.streams import caption_mask
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dropout import Dropout
-from changecap_jax.models.layers import Initializer, TorchDense, sinusoid_table, torch_layer_norm
+from changecap_jax.models.layers import (
+    HEADS_FIRST,
+    TOKEN_MAJOR,
+    Initializer,
+    TorchDense,
+    heads_first,
+    sinusoid_table,
+    torch_layer_norm,
+)
 from changecap_jax.precision import at_least_float32
 
 Array = jax.Array
@@ -105,27 +113,26 @@ def multi_head_attend(
     dropout: Dropout | None = None,
     deterministic: bool = True,
     sow_to: nn.Module | None = None,
-    kv_heads_first: bool = False,
+    kv_layout: str = TOKEN_MAJOR,
 ) -> Array:
     """softmax(Q_h K_h^T / sqrt(d_h) [+ mask]) -> dropout -> . V_h, heads merged; no output
     projection (the official SCORER encoder and decoder attention, §3.1 step 4 / §3.2).
 
-    q (B, Lq, E), k/v (B, Lk, E), or already split into heads as (B, H, E/H, Lk) with
-    ``kv_heads_first`` (the decoding cache, :func:`heads_first`); ``additive_mask``
+    q (B, Lq, E), k/v (B, Lk, E), or with ``kv_layout=HEADS_FIRST`` already split into heads as
+    (B, H, E/H, Lk) (the decoding cache, :func:`split_heads_first`); ``additive_mask``
     broadcastable to (B, Lq, Lk).
     """
     b, lq, e = q.shape
     dh = e // num_heads
     qh = q.reshape(b, lq, num_heads, dh)
-    if kv_heads_first:
-        kh, vh, kv = k, v, "bhdk"
+    if kv_layout == HEADS_FIRST:
+        kh, vh = k, v
     else:
         kh = k.reshape(b, k.shape[1], num_heads, dh)
         vh = v.reshape(b, v.shape[1], num_heads, dh)
-        kv = "bkhd"
     # Scores, mask and softmax in at least float32 whatever the compute dtype
     # (changecap_jax/precision.py).
-    scores = at_least_float32(jnp.einsum(f"bqhd,{kv}->bhqk", qh, kh)) / math.sqrt(dh)
+    scores = at_least_float32(jnp.einsum(f"bqhd,{kv_layout}->bhqk", qh, kh)) / math.sqrt(dh)
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
     probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
@@ -134,16 +141,14 @@ def multi_head_attend(
         sow_to.sow(ATTENTION, "probs", probs)
     if dropout is not None:
         probs = dropout(probs, deterministic=deterministic)
-    return jnp.einsum(f"bhqk,{kv}->bqhd", probs, vh).reshape(b, lq, e)
+    return jnp.einsum(f"bhqk,{kv_layout}->bqhd", probs, vh).reshape(b, lq, e)
 
 
-def heads_first(x: Array, num_heads: int) -> Array:
-    """(B, L, E) -> (B, H, E/H, L): keys or values split into heads, in the layout the
-    decoding step's dots read. The cache keeps them so: in the token-major layout every
-    decoding step transposed the whole cache again (XLA does not hoist such a transpose out of
-    the decoding loop)."""
+def split_heads_first(x: Array, num_heads: int) -> Array:
+    """(B, L, E) -> (B, H, E/H, L): keys or values split into heads, in the decoding caches'
+    layout (``layers.heads_first``)."""
     b, length, e = x.shape
-    return jnp.transpose(x.reshape(b, length, num_heads, e // num_heads), (0, 2, 3, 1))
+    return heads_first(x.reshape(b, length, num_heads, e // num_heads))
 
 
 def speaker_self_mask(ids: Array) -> Array:
@@ -183,24 +188,24 @@ class SpeakerAttention(nn.Module):
 
     # ---- incremental decoding (eval mode) -------------------------------------------------
 
-    # Keys and values are cached split into heads, (B, H, E/H, positions): heads_first().
+    # Keys and values are cached split into heads, (B, H, E/H, positions): split_heads_first().
     def init_self_cache(self, batch_size: int, max_len: int) -> None:
         shape = (batch_size, self.num_heads, self.hidden_dim // self.num_heads, max_len)
         self.put_variable("cache", "cached_key", jnp.zeros(shape, jnp.float32))
         self.put_variable("cache", "cached_value", jnp.zeros(shape, jnp.float32))
 
     def init_cross_cache(self, memory: Array) -> None:
-        self.put_variable("cache", "memory_key", heads_first(self.key(memory), self.num_heads))
-        self.put_variable("cache", "memory_value",
-                          heads_first(self.value(memory), self.num_heads))
+        heads = self.num_heads
+        self.put_variable("cache", "memory_key", split_heads_first(self.key(memory), heads))
+        self.put_variable("cache", "memory_value", split_heads_first(self.value(memory), heads))
 
     def step_self(self, x: Array, index: Array) -> Array:
         """x (B, 1, E) at position ``index`` attends to positions 0..index (full-recompute row
         ``index`` of the causal mask; later positions get the additive -10000)."""
         cached_keys = self.get_variable("cache", "cached_key")
         cached_values = self.get_variable("cache", "cached_value")
-        new_key = heads_first(self.key(x), self.num_heads).astype(cached_keys.dtype)
-        new_value = heads_first(self.value(x), self.num_heads).astype(cached_values.dtype)
+        new_key = split_heads_first(self.key(x), self.num_heads).astype(cached_keys.dtype)
+        new_value = split_heads_first(self.value(x), self.num_heads).astype(cached_values.dtype)
         keys = jax.lax.dynamic_update_slice(cached_keys, new_key, (0, 0, 0, index))
         values = jax.lax.dynamic_update_slice(cached_values, new_value, (0, 0, 0, index))
         self.put_variable("cache", "cached_key", keys)
@@ -208,13 +213,13 @@ class SpeakerAttention(nn.Module):
         visible = (jnp.arange(keys.shape[-1]) <= index).astype(jnp.float32)
         mask = ((1.0 - visible) * MASK_VALUE)[None, None, :]
         return multi_head_attend(self.query(x), keys, values, self.num_heads, additive_mask=mask,
-                                 kv_heads_first=True)
+                                 kv_layout=HEADS_FIRST)
 
     def step_cross(self, x: Array) -> Array:
         keys = self.get_variable("cache", "memory_key")
         values = self.get_variable("cache", "memory_value")
         return multi_head_attend(self.query(x), keys, values, self.num_heads,
-                                 sow_to=self if self.sow_probs else None, kv_heads_first=True)
+                                 sow_to=self if self.sow_probs else None, kv_layout=HEADS_FIRST)
 
 
 class Intermediate(nn.Module):

@@ -149,8 +149,16 @@ def make_attention_mask(
     return mask
 
 
-def _heads_first(x: Array) -> Array:
-    """(B, L, H, D) -> (B, H, D, L), the key/value cache layout."""
+# Layouts of attention keys/values, as einsum operands: token-major (B, L, H, D), and heads
+# first (B, H, D, L), the layout of the decoding caches.
+TOKEN_MAJOR = "bkhd"
+HEADS_FIRST = "bhdk"
+
+
+def heads_first(x: Array) -> Array:
+    """(B, L, H, D) -> (B, H, D, L): keys or values in the layout the decoding step's dots read.
+    The decoding caches keep them so: in the token-major layout every decoding step transposed
+    the whole cache again (XLA does not hoist such a transpose out of the decoding loop)."""
     return jnp.transpose(x, (0, 2, 3, 1))
 
 
@@ -207,9 +215,9 @@ class MultiheadAttention(nn.Module):
 
     def _attend(
         self, q: Array, k: Array, v: Array, mask: Array | None, deterministic: bool,
-        kv_layout: str = "bkhd",
+        kv_layout: str = TOKEN_MAJOR,
     ) -> Array:
-        """q (B, Lq, H, D); k, v (B, Lk, H, D), or (B, H, D, Lk) with ``kv_layout="bhdk"``."""
+        """q (B, Lq, H, D); k, v (B, Lk, H, D), or (B, H, D, Lk) with ``kv_layout=HEADS_FIRST``."""
         scores = jnp.einsum(f"bqhd,{kv_layout}->bhqk", q, k)
         if mask is not None:
             scores = jnp.where(mask, scores, -jnp.inf)
@@ -238,9 +246,7 @@ class MultiheadAttention(nn.Module):
 
     # ---- incremental decoding -------------------------------------------------------------
 
-    # Both caches are stored heads first, (B, H, E/H, positions): the layout the per-step dots
-    # read. In the token-major layout every decoding step transposed the whole cache again
-    # (XLA does not hoist such a transpose out of the decoding loop).
+    # Both caches are stored heads first, (B, H, E/H, positions): heads_first().
     def init_self_cache(self, batch_size: int, max_len: int) -> None:
         shape = (batch_size, self.num_heads, self.head_dim, max_len)
         self.put_variable("cache", "cached_key", jnp.zeros(shape, jnp.float32))
@@ -248,8 +254,8 @@ class MultiheadAttention(nn.Module):
 
     def init_cross_cache(self, memory: Array) -> None:
         k, v = self._key_value(memory)
-        self.put_variable("cache", "memory_key", _heads_first(k))
-        self.put_variable("cache", "memory_value", _heads_first(v))
+        self.put_variable("cache", "memory_key", heads_first(k))
+        self.put_variable("cache", "memory_value", heads_first(v))
 
     def step_self(self, inputs_q: Array, index: Array, *, deterministic: bool = True) -> Array:
         """Self-attention of the token at position ``index`` (B, 1, E) over positions 0..index."""
@@ -258,22 +264,22 @@ class MultiheadAttention(nn.Module):
         cached_v = self.get_variable("cache", "cached_value")
         start = (0, 0, 0, index)
         keys = jax.lax.dynamic_update_slice(
-            cached_k, _heads_first(k_new).astype(cached_k.dtype), start)
+            cached_k, heads_first(k_new).astype(cached_k.dtype), start)
         values = jax.lax.dynamic_update_slice(
-            cached_v, _heads_first(v_new).astype(cached_v.dtype), start)
+            cached_v, heads_first(v_new).astype(cached_v.dtype), start)
         self.put_variable("cache", "cached_key", keys)
         self.put_variable("cache", "cached_value", values)
         # Causal mask of the full-recompute decoder, row `index`: keys 0..index are visible.
         mask = (jnp.arange(keys.shape[-1]) <= index)[None, None, None, :]
         return self._attend(self._query(inputs_q), keys, values, mask, deterministic,
-                            kv_layout="bhdk")
+                            kv_layout=HEADS_FIRST)
 
     def step_cross(self, inputs_q: Array, *, deterministic: bool = True) -> Array:
         """Cross-attention of (B, 1, E) queries to the memory stored by :meth:`init_cross_cache`."""
         keys = self.get_variable("cache", "memory_key")
         values = self.get_variable("cache", "memory_value")
         return self._attend(self._query(inputs_q), keys, values, None, deterministic,
-                            kv_layout="bhdk")
+                            kv_layout=HEADS_FIRST)
 
 
 # --------------------------------------------------------------------------------------------
