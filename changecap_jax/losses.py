@@ -182,10 +182,16 @@ def _check_tokens(q: Array, k: Array) -> None:
         )
 
 
+def _similarities(q: Array, k: Array, precision: jax.lax.PrecisionLike) -> Array:
+    """R[a, l, b, m] = <q[a, l], k[b, m]>, in the layout of the matmul (Bq N) x (Bk M): taking
+    the maxima from it needs no transposed copy of R."""
+    return jnp.einsum("ald,bmd->albm", q, k, precision=precision)
+
+
 def _mtm(q: Array, k: Array, precision: jax.lax.PrecisionLike) -> Array:
-    """S[a, b] = 1/2 (mean_l max_m R + mean_m max_l R), R[a, b, l, m] = <q[a, l], k[b, m]>."""
-    r = jnp.einsum("ald,bmd->ablm", q, k, precision=precision)
-    return 0.5 * (jnp.mean(jnp.max(r, axis=3), axis=2) + jnp.mean(jnp.max(r, axis=2), axis=2))
+    """S[a, b] = 1/2 (mean_l max_m R + mean_m max_l R), R[a, l, b, m] = <q[a, l], k[b, m]>."""
+    r = _similarities(q, k, precision)
+    return 0.5 * (jnp.mean(jnp.max(r, axis=3), axis=1) + jnp.mean(jnp.max(r, axis=1), axis=2))
 
 
 def token_matching_similarity_naive(
@@ -200,19 +206,30 @@ def token_matching_similarity_naive(
     return _mtm(q, k, precision)
 
 
+def _max_and_first_argmax(r: Array, axis: int) -> tuple[Array, Array]:
+    """The maximum over ``axis`` and the first index holding it (``jnp.argmax``'s rule for
+    ties), as two plain reductions: XLA on CPU runs argmax's (value, index) reduction several
+    times slower than a max and a min (docs/performance.md "SCORER's matching")."""
+    top = jnp.max(r, axis=axis, keepdims=True)
+    # A float iota: the min reduction vectorises; indices up to 2^24 are exact.
+    position = jax.lax.broadcasted_iota(jnp.float32, r.shape, axis)
+    first = jnp.min(jnp.where(r == top, position, r.shape[axis] - 1), axis=axis)
+    return jnp.squeeze(top, axis), first.astype(jnp.int32)
+
+
 def _mtm_chunk(q: Array, kc: Array, precision: jax.lax.PrecisionLike) -> tuple[Array, ...]:
-    """One chunk of columns: S (Bq, c) and where the maxima are, (Bq, c, N) and (Bq, c, M)."""
-    r = jnp.einsum("ald,bmd->ablm", q, kc, precision=precision)
-    row_arg, col_arg = jnp.argmax(r, axis=3), jnp.argmax(r, axis=2)
-    row_max = jnp.take_along_axis(r, row_arg[..., None], axis=3)[..., 0]
-    col_max = jnp.take_along_axis(r, col_arg[..., None, :], axis=2)[..., 0, :]
-    s = 0.5 * (jnp.mean(row_max, axis=2) + jnp.mean(col_max, axis=2))
-    return s, row_arg.astype(jnp.int32), col_arg.astype(jnp.int32)
+    """One chunk of columns: S (Bq, c) and where the maxima are: for each query token the key
+    token, (Bq, c, N), and for each key token the query token, (Bq, c, M)."""
+    r = _similarities(q, kc, precision)  # (Bq, N, c, M)
+    row_max, row_arg = _max_and_first_argmax(r, 3)  # (Bq, N, c)
+    col_max, col_arg = _max_and_first_argmax(r, 1)  # (Bq, c, M)
+    s = 0.5 * (jnp.mean(row_max, axis=1) + jnp.mean(col_max, axis=2))
+    return s, jnp.swapaxes(row_arg, 1, 2), col_arg
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _mtm_chunked(q: Array, k_chunks: Array, precision: jax.lax.PrecisionLike) -> Array:
-    """(Bq, N, D) x (C, c, M, D) chunks -> S (C, Bq, c), with an argmax backward pass."""
+    """(Bq, N, D) x (C, c, M, D) chunks -> S (C, Bq, c), with a sparse backward pass."""
     return jax.lax.map(lambda kc: _mtm(q, kc, precision), k_chunks)  # no argmax unless needed
 
 
@@ -222,22 +239,40 @@ def _mtm_chunked_fwd(q: Array, k_chunks: Array, precision: jax.lax.PrecisionLike
     return s, (q, k_chunks, row_arg, col_arg)
 
 
+def _by_column(x: Array) -> Array:
+    """(C, Bq, c, ...) per-chunk residuals -> (C * c, Bq, ...), one entry per column b."""
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> tuple:
-    # dS[a, b] / dR[a, b, l, m] = 1/(2N) [m = argmax_m' R[a, b, l, m']]
-    #                            + 1/(2M) [l = argmax_l' R[a, b, l', m]]
+    # dS[a, b] / dR[a, l, b, m] = 1/(2N) [m = row_arg[a, b, l]] + 1/(2M) [l = col_arg[a, b, m]]:
+    # R's gradient has N + M nonzeros per (a, b) out of N * M, so instead of two dense matmuls
+    # the size of the forward one, each column b gathers and scatter-adds token rows:
+    #   dq[a, l]               += g/(2N) k[b, row_arg[a, b, l]]   (gather)
+    #   dq[a, col_arg[a, b, m]] += g/(2M) k[b, m]                  (scatter-add)
+    #   dk[b, m]               += sum_a g/(2M) q[a, col_arg[a, b, m]]   (gather)
+    #   dk[b, row_arg[a, b, l]] += g/(2N) q[a, l]                  (scatter-add)
+    # One column per step keeps the (Bq, N, D) temporaries small (docs/performance.md).
     q, k_chunks, row_arg, col_arg = res
     n, m = q.shape[1], k_chunks.shape[2]
+    rows = jnp.arange(q.shape[0])[:, None]
 
-    def chunk(dq: Array, xs: tuple) -> tuple[Array, Array]:
-        kc, ra, ca, gc = xs
-        w = 0.5 * gc[..., None, None]
-        dr = (w / n) * jax.nn.one_hot(ra, m, dtype=q.dtype) + (w / m) * jnp.swapaxes(
-            jax.nn.one_hot(ca, n, dtype=q.dtype), 2, 3)
-        dq = dq + jnp.einsum("ablm,bmd->ald", dr, kc, precision=precision)
-        return dq, jnp.einsum("ablm,ald->bmd", dr, q, precision=precision)
+    def column(dq: Array, xs: tuple) -> tuple[Array, Array]:
+        k_b, row_arg_b, col_arg_b, g_b = xs  # (M, D), (Bq, N), (Bq, M), (Bq,)
+        w_row = ((0.5 / n) * g_b)[:, None, None]
+        w_col = ((0.5 / m) * g_b)[:, None, None]
+        dq = dq + w_row * k_b[row_arg_b]
+        dq = dq.at[jnp.broadcast_to(rows, col_arg_b.shape), col_arg_b].add(w_col * k_b)
+        dk_b = jnp.einsum("a,amd->md", w_col[:, 0, 0], q[rows, col_arg_b],
+                          precision=precision)
+        dk_b = dk_b.at[row_arg_b].add(w_row * q)
+        return dq, dk_b
 
-    dq, dk = jax.lax.scan(chunk, jnp.zeros_like(q), (k_chunks, row_arg, col_arg, g))
-    return dq, dk
+    columns = (k_chunks.reshape(-1, *k_chunks.shape[2:]), _by_column(row_arg),
+               _by_column(col_arg), _by_column(g))
+    dq, dk = jax.lax.scan(column, jnp.zeros_like(q), columns)
+    return dq, dk.reshape(k_chunks.shape)
 
 
 _mtm_chunked.defvjp(_mtm_chunked_fwd, _mtm_chunked_bwd)
@@ -264,8 +299,9 @@ def token_matching_similarity(
     zero-padded; the padded columns are dropped before anything reads them).
 
     Backward pass: ``"argmax"`` (default) keeps only where each maximum is (int32, Bq*Bk*(N+M))
-    and sends the gradient there, chunk by chunk (a custom VJP: one dense pass forward, two
-    backward, nothing recomputed). ``"remat"`` differentiates the chunked forward with
+    and sends the gradient there (a custom VJP: one dense pass forward; backward, per column of
+    S, gathers and scatter-adds of the Bq*(N+M) token rows at the maxima instead of two dense
+    passes; nothing recomputed). ``"remat"`` differentiates the chunked forward with
     ``jax.checkpoint`` (each chunk recomputed; ``jnp.max``'s rule, which splits the gradient
     between exactly tied maxima where "argmax" gives it to the first). Same values otherwise.
     """

@@ -80,6 +80,45 @@ def test_chunked_equals_naive_values_and_gradients(chunk_size, backward):
         np.testing.assert_allclose(gc, gn, rtol=1e-5, atol=1e-5)
 
 
+def np_first_max_gradients(q: np.ndarray, k: np.ndarray, w: np.ndarray) -> tuple:
+    """d sum(w * MTM(q, k)) / d(q, k) with each max's gradient sent to the FIRST maximal
+    entry (np.argmax), by loops in float64."""
+    q, k = q.astype(np.float64), k.astype(np.float64)
+    dq, dk = np.zeros_like(q), np.zeros_like(k)
+    n, m = q.shape[1], k.shape[1]
+    for a in range(len(q)):
+        for b in range(len(k)):
+            r = q[a] @ k[b].T
+            dr = np.zeros_like(r)
+            dr[np.arange(n), r.argmax(axis=1)] += 0.5 / n
+            dr[r.argmax(axis=0), np.arange(m)] += 0.5 / m
+            dq[a] += w[a, b] * dr @ k[b]
+            dk[b] += w[a, b] * dr.T @ q[a]
+    return dq, dk
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_argmax_backward_sends_tied_maxima_gradient_to_the_first(chunk_size):
+    # Small integer tokens: the dot products are exact in float32 and many maxima are tied
+    # (some tokens are repeated outright), so the tie rule decides which rows get gradient.
+    rng = np.random.RandomState(9)
+    q = rng.randint(-1, 2, size=(4, 5, 3)).astype(np.float32)
+    k = rng.randint(-1, 2, size=(5, 6, 3)).astype(np.float32)
+    q[:, 3] = q[:, 1]
+    k[:, 4] = k[:, 0]
+    w = rng.randn(4, 5).astype(np.float32)
+    r = np.einsum("ald,bmd->ablm", q, k)
+    assert ((r == r.max(axis=3, keepdims=True)).sum(axis=3) > 1).mean() > 0.2  # many ties
+    want = np_first_max_gradients(q, k, w)
+
+    def weighted(q, k):
+        return jnp.sum(w * losses.token_matching_similarity(q, k, chunk_size=chunk_size))
+
+    got = jax.jit(jax.grad(weighted, argnums=(0, 1)))(jnp.asarray(q), jnp.asarray(k))
+    for g, ref in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_contrastive_loss_matches_numpy_and_naive_flag():
     q, k = _tokens(5, 6, 5), _tokens(6, 6, 5)
     scale = 0.7
