@@ -28,6 +28,9 @@ Prints, in this order (the first six lines as before):
   matmul's, timed after each step so both see the same machine load (one untimed matmul,
   then the median of three: the device's practical peak at the default matmul precision,
   which the model gets too);
+* the step's matmul work counted from its jaxpr with every loop iteration
+  (``changecap_jax/flop_count.py``: XLA counts a loop body once, which undercounts SCORER's
+  chunked matching several times over), its FLOP/s and share of the matmul's;
 * with a dataset: the input pipeline's examples/s read alone (``--input_batches`` batches,
   loader and transfer to the devices, no step) and which of input and step is the bottleneck;
 * with ``--compare_torch``: the median step of the model's torch reference, run on the same
@@ -61,6 +64,7 @@ from changecap_jax import (
     compile_cache,
     decoding,
     experiment,
+    flop_count,
     models,
     parallel,
     precision,
@@ -213,6 +217,8 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     lower_s = time.perf_counter() - t0
     compiled = lowered.compile()  # a persistent-cache hit loads the executable instead
     compile_s = time.perf_counter() - t0
+    # Traced again (not timed): XLA's count takes each loop body once (changecap_jax/flop_count.py).
+    dots = flop_count.dot_flops(setup.train_step, setup.state, setup.batches[0])
     matmul, matmul_flops = matmul_timer(matmul_size) if matmul_size else (None, 0.0)
     state, metrics = compiled(setup.state, setup.batches[0])  # first run: allocations
     jax.block_until_ready(metrics)
@@ -233,11 +239,14 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     out = {"compile_s": compile_s, "lower_s": lower_s, "step_s": step_s, "steps": steps,
            "loss_first_step": loss_first_step, **cost,
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
-           "matmul_flop_per_s": None, "percent_of_matmul": None}
+           "dot_flops": dots.flops, "dot_flop_per_s": dots.flops / step_s,
+           "loops_of_unknown_length": dots.unknown_trip_count_loops,
+           "matmul_flop_per_s": None, "percent_of_matmul": None, "dot_percent_of_matmul": None}
     if matmul_times:
         out["matmul_flop_per_s"] = matmul_flops / statistics.median(matmul_times)
         if flop_per_s is not None:
             out["percent_of_matmul"] = 100.0 * flop_per_s / out["matmul_flop_per_s"]
+        out["dot_percent_of_matmul"] = 100.0 * out["dot_flop_per_s"] / out["matmul_flop_per_s"]
     return out
 
 
@@ -371,6 +380,18 @@ def report_lines(results: dict[str, Any]) -> list[str]:
     return lines + _detail_lines(r)
 
 
+def _dot_line(r: dict[str, Any]) -> str:
+    line = (f"matmul work (dots of the traced step, every loop iteration counted): "
+            f"{r['dot_flops'] / 1e9:.2f} GFLOP, {r['dot_flop_per_s'] / 1e9:.1f} GFLOP/s")
+    if r["dot_percent_of_matmul"] is not None:
+        line += f" = {r['dot_percent_of_matmul']:.1f}% of the matmul's"
+    if r["flops"] is not None and r["dot_flops"] > r["flops"]:
+        line += "; XLA's count above takes each loop body once"
+    if r["loops_of_unknown_length"]:
+        line += f" ({r['loops_of_unknown_length']} while loop(s) counted once)"
+    return line
+
+
 def _detail_lines(r: dict[str, Any]) -> list[str]:
     lines = [f"train step compile = trace and lower {r['lower_s']:.2f} s + XLA compile "
              f"{r['compile_s'] - r['lower_s']:.2f} s"]
@@ -389,6 +410,7 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
         n = r["matmul_size"]
         lines.append(f"step FLOP/s = {r['percent_of_matmul']:.1f}% of a float32 {n}x{n} "
                      f"matmul's ({r['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s)")
+    lines.append(_dot_line(r))
     if r["input_examples_per_s"] is not None:
         lines.append(f"input pipeline alone: {r['input_examples_per_s']:.1f} examples/s "
                      f"({r['input_batches']} batches)")

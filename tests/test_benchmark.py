@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from changecap_jax import benchmark, models
+from changecap_jax import benchmark, flop_count, models
 from changecap_jax import synthetic_inputs as si
 from changecap_jax.data.vocab import END_ID, START_ID
 from configs import cheers, idc_pcl, subtraction
@@ -50,6 +50,9 @@ def test_synthetic_run_flops_match_a_direct_cost_analysis():
     cost = setup.train_step.lower(setup.state, setup.batches[0]).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     assert results["flops"] == pytest.approx(float(cost["flops"]))
+    dots = flop_count.dot_flops(setup.train_step, setup.state, setup.batches[0])
+    assert dots.flops > 0 and results["dot_flops"] == dots.flops
+    assert results["dot_flop_per_s"] == pytest.approx(dots.flops / results["step_s"])
 
 
 def test_synthetic_step_computes_in_the_configs_compute_dtype():
@@ -73,12 +76,14 @@ def test_command_writes_every_result_to_json(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("train step compile:", "train step median:", "greedy decode median:",
-                 "peak memory:", "% of a float32 64x64 matmul", "compilation cache: off"):
+                 "peak memory:", "% of a float32 64x64 matmul", "compilation cache: off",
+                 "matmul work (dots of the traced step, every loop iteration counted):"):
         assert line in done.stdout
     results = json.loads(out.read_text())
     for key in ("config", "preset", "batch_size", "devices", "compile_s", "step_s",
                 "examples_per_s", "flops", "bytes_accessed", "flop_per_s",
-                "matmul_flop_per_s", "percent_of_matmul", "decode_compile_s",
+                "matmul_flop_per_s", "percent_of_matmul", "dot_flops", "dot_flop_per_s",
+                "dot_percent_of_matmul", "decode_compile_s",
                 "decode_s_per_batch", "input_examples_per_s", "bottleneck",
                 "peak_memory_bytes", "input_shapes", "compilation_cache"):
         assert key in results, key
