@@ -49,6 +49,8 @@ from changecap_jax.models.layers import (
     TOKEN_MAJOR,
     Initializer,
     TorchDense,
+    attention_context,
+    attention_scores,
     heads_first,
     sinusoid_table,
     torch_layer_norm,
@@ -132,7 +134,7 @@ def multi_head_attend(
         vh = v.reshape(b, v.shape[1], num_heads, dh)
     # Scores, mask and softmax in at least float32 whatever the compute dtype
     # (changecap_jax/precision.py).
-    scores = at_least_float32(jnp.einsum(f"bqhd,{kv_layout}->bhqk", qh, kh)) / math.sqrt(dh)
+    scores = at_least_float32(attention_scores(qh, kh, kv_layout)) / math.sqrt(dh)
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
     probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype)
@@ -141,7 +143,7 @@ def multi_head_attend(
         sow_to.sow(ATTENTION, "probs", probs)
     if dropout is not None:
         probs = dropout(probs, deterministic=deterministic)
-    return jnp.einsum(f"bhqk,{kv_layout}->bqhd", probs, vh).reshape(b, lq, e)
+    return attention_context(probs, vh, kv_layout).reshape(b, lq, e)
 
 
 def split_heads_first(x: Array, num_heads: int) -> Array:

@@ -66,6 +66,8 @@ from changecap_jax.models.decoder import DelegatedDecoding, multi_head_attend, s
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.layers import (
     TorchDense,
+    attention_context,
+    attention_scores,
     embed_grid,
     grid_input,
     grid_position_embedding,
@@ -220,9 +222,9 @@ class BiasFreeSelfAttention(nn.Module):
         split = lambda y: y.reshape(b, n, self.num_heads, dh)
         q = split(self.q_proj(x)) * (1.0 / math.sqrt(dh))
         k, v = split(self.k_proj(x)), split(self.v_proj(x))
-        scores = at_least_float32(jnp.einsum("bqhd,bkhd->bhqk", q, k))  # softmax in >= f32
+        scores = at_least_float32(attention_scores(q, k))  # softmax in >= f32
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, e)
+        ctx = attention_context(probs, v).reshape(b, n, e)
         return self.out_proj(ctx)
 
 
