@@ -240,6 +240,7 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
            "loss_first_step": loss_first_step, **cost,
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
            "dot_flops": dots.flops, "dot_flop_per_s": dots.flops / step_s,
+           "dot_flops_in_scans": dots.in_scans,
            "loops_of_unknown_length": dots.unknown_trip_count_loops,
            "matmul_flop_per_s": None, "percent_of_matmul": None, "dot_percent_of_matmul": None}
     if matmul_times:
@@ -385,8 +386,9 @@ def _dot_line(r: dict[str, Any]) -> str:
             f"{r['dot_flops'] / 1e9:.2f} GFLOP, {r['dot_flop_per_s'] / 1e9:.1f} GFLOP/s")
     if r["dot_percent_of_matmul"] is not None:
         line += f" = {r['dot_percent_of_matmul']:.1f}% of the matmul's"
-    if r["flops"] is not None and r["dot_flops"] > r["flops"]:
-        line += "; XLA's count above takes each loop body once"
+    if r["dot_flops_in_scans"]:
+        line += (f"; {r['dot_flops_in_scans'] / 1e9:.2f} GFLOP of it in loops, whose body "
+                 "XLA's count takes once")
     if r["loops_of_unknown_length"]:
         line += f" ({r['loops_of_unknown_length']} while loop(s) counted once)"
     return line

@@ -21,6 +21,7 @@ from jax.extend import core as jex_core
 class DotFlops(NamedTuple):
     flops: float  # 2 x multiply-adds of the dots and convolutions, loop iterations included
     unknown_trip_count_loops: int  # while loops whose body was counted once
+    in_scans: float = 0.0  # the part of ``flops`` inside scans (all their iterations)
 
 
 def _dot_general_flops(eqn: Any) -> float:
@@ -49,7 +50,7 @@ def _subjaxprs(value: Any) -> list[Any]:
 
 
 def _count(jaxpr: Any) -> DotFlops:
-    flops, unknown = 0.0, 0
+    flops, unknown, in_scans = 0.0, 0, 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
@@ -62,15 +63,19 @@ def _count(jaxpr: Any) -> DotFlops:
         if not inner:
             continue
         if name == "cond":  # one branch runs: count the most expensive
-            flops += max(c.flops for c in inner)
+            dearest = max(inner, key=lambda c: c.flops)
+            flops += dearest.flops
+            in_scans += dearest.in_scans
             unknown += max(c.unknown_trip_count_loops for c in inner)
             continue
         repeat = eqn.params["length"] if name == "scan" else 1
         if name == "while":
             unknown += 1
-        flops += repeat * sum(c.flops for c in inner)
+        body = repeat * sum(c.flops for c in inner)
+        flops += body
+        in_scans += body if name == "scan" else repeat * sum(c.in_scans for c in inner)
         unknown += sum(c.unknown_trip_count_loops for c in inner)
-    return DotFlops(flops, unknown)
+    return DotFlops(flops, unknown, in_scans)
 
 
 def dot_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DotFlops:

@@ -23,7 +23,7 @@ def test_plain_and_batched_dots():
     # (4, 6) @ (6, 5): 2*4*5*6; batched (3, 4, 6) x (3, 6, 7): 2*3*4*7*6.
     got = flop_count.dot_flops(lambda a, b, x, y: (a @ b, jnp.einsum("bij,bjk->bik", x, y)),
                                spec(4, 6), spec(6, 5), spec(3, 4, 6), spec(3, 6, 7))
-    assert got == flop_count.DotFlops(2 * 4 * 5 * 6 + 2 * 3 * 4 * 7 * 6, 0)
+    assert got == flop_count.DotFlops(2 * 4 * 5 * 6 + 2 * 3 * 4 * 7 * 6, 0, 0.0)
 
 
 def test_scan_multiplies_and_xla_does_not():
@@ -32,7 +32,10 @@ def test_scan_multiplies_and_xla_does_not():
 
     w, xs = spec(16, 16), spec(5, 8, 16)
     got = flop_count.dot_flops(loop, w, xs)
-    assert got.flops == 5 * 2 * 8 * 16 * 16
+    assert got.flops == got.in_scans == 5 * 2 * 8 * 16 * 16
+    # A dot outside the scan is not "in scans".
+    outside = flop_count.dot_flops(lambda w, xs: loop(w, xs) @ w, w, xs)
+    assert outside.flops - outside.in_scans == 2 * 8 * 16 * 16
     xla = jax.jit(loop).lower(w, xs).compile().cost_analysis()
     xla = xla[0] if isinstance(xla, list) else xla
     # XLA counts the body once: far below the five iterations.
