@@ -248,12 +248,14 @@ def _by_column(x: Array) -> Array:
 def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> tuple:
     # dS[a, b] / dR[a, l, b, m] = 1/(2N) [m = row_arg[a, b, l]] + 1/(2M) [l = col_arg[a, b, m]]:
     # R's gradient has N + M nonzeros per (a, b) out of N * M, so instead of two dense matmuls
-    # the size of the forward one, each column b gathers and scatter-adds token rows:
+    # the size of the forward one, token rows are gathered and scatter-added:
     #   dq[a, l]               += g/(2N) k[b, row_arg[a, b, l]]   (gather)
     #   dq[a, col_arg[a, b, m]] += g/(2M) k[b, m]                  (scatter-add)
-    #   dk[b, m]               += sum_a g/(2M) q[a, col_arg[a, b, m]]   (gather)
     #   dk[b, row_arg[a, b, l]] += g/(2N) q[a, l]                  (scatter-add)
-    # One column per step keeps the (Bq, N, D) temporaries small (docs/performance.md).
+    #   dk[b, m]               += g/(2M) q[a, col_arg[a, b, m]]   (gather)
+    # The first three run one column b per step, the last one row a per step: each gather
+    # then reads a small (N, D) block and adds into the accumulator, which XLA fuses; the
+    # temporaries stay (B, N, D) (docs/performance.md "SCORER+CBR: the batch-wide matching").
     q, k_chunks, row_arg, col_arg = res
     n, m = q.shape[1], k_chunks.shape[2]
     rows = jnp.arange(q.shape[0])[:, None]
@@ -264,14 +266,19 @@ def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> 
         w_col = ((0.5 / m) * g_b)[:, None, None]
         dq = dq + w_row * k_b[row_arg_b]
         dq = dq.at[jnp.broadcast_to(rows, col_arg_b.shape), col_arg_b].add(w_col * k_b)
-        dk_b = jnp.einsum("a,amd->md", w_col[:, 0, 0], q[rows, col_arg_b],
-                          precision=precision)
-        dk_b = dk_b.at[row_arg_b].add(w_row * q)
+        dk_b = jnp.zeros(k_b.shape, q.dtype).at[row_arg_b].add(w_row * q)
         return dq, dk_b
+
+    def row(dk: Array, xs: tuple) -> tuple[Array, None]:
+        q_a, col_arg_a, g_a = xs  # (N, D), (Bk, M), (Bk,)
+        return dk + ((0.5 / m) * g_a)[:, None, None] * q_a[col_arg_a], None
 
     columns = (k_chunks.reshape(-1, *k_chunks.shape[2:]), _by_column(row_arg),
                _by_column(col_arg), _by_column(g))
     dq, dk = jax.lax.scan(column, jnp.zeros_like(q), columns)
+    # (C, Bq, c, ...) -> (Bq, C * c, ...): one entry per row a.
+    by_row = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+    dk, _ = jax.lax.scan(row, dk, (q, by_row(col_arg), by_row(g)))
     return dq, dk.reshape(k_chunks.shape)
 
 
