@@ -213,12 +213,13 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     """Compiles the step (timed), runs it once untimed, then times ``steps`` steps; a reference
     matmul runs after each step, so both see the same machine load."""
     t0 = time.perf_counter()
-    lowered = setup.train_step.lower(setup.state, setup.batches[0])
+    traced = setup.train_step.trace(setup.state, setup.batches[0])
+    lowered = traced.lower()
     lower_s = time.perf_counter() - t0
     compiled = lowered.compile()  # a persistent-cache hit loads the executable instead
     compile_s = time.perf_counter() - t0
-    # Traced again (not timed): XLA's count takes each loop body once (changecap_jax/flop_count.py).
-    dots = flop_count.dot_flops(setup.train_step, setup.state, setup.batches[0])
+    # From the same trace: XLA's count takes each loop body once (changecap_jax/flop_count.py).
+    dots = flop_count.jaxpr_dot_flops(traced.jaxpr)
     matmul, matmul_flops = matmul_timer(matmul_size) if matmul_size else (None, 0.0)
     state, metrics = compiled(setup.state, setup.batches[0])  # first run: allocations
     jax.block_until_ready(metrics)

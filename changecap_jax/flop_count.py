@@ -78,9 +78,16 @@ def _count(jaxpr: Any) -> DotFlops:
     return DotFlops(flops, unknown, in_scans)
 
 
-def dot_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DotFlops:
-    """The matmul FLOPs of one call ``fn(*args, **kwargs)`` (arrays or ShapeDtypeStructs).
+def jaxpr_dot_flops(closed_jaxpr: Any) -> DotFlops:
+    """The matmul FLOPs of a traced program (``jax.make_jaxpr(fn)(...)`` or the ``.jaxpr`` of
+    ``jax.jit(fn).trace(...)``).
 
     Inside ``shard_map`` the shapes are per device, so a step that computes under shard_map
     (changecap_jax/train.py) is counted per device, as XLA's ``cost_analysis`` counts it."""
-    return _count(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+    return _count(closed_jaxpr.jaxpr)
+
+
+def dot_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DotFlops:
+    """The matmul FLOPs of one call ``fn(*args, **kwargs)`` (arrays or ShapeDtypeStructs), as
+    :func:`jaxpr_dot_flops` counts them."""
+    return jaxpr_dot_flops(jax.make_jaxpr(fn)(*args, **kwargs))

@@ -209,7 +209,8 @@ def token_matching_similarity_naive(
 def _max_and_first_argmax(r: Array, axis: int) -> tuple[Array, Array]:
     """The maximum over ``axis`` and the first index holding it (``jnp.argmax``'s rule for
     ties), as two plain reductions: XLA on CPU runs argmax's (value, index) reduction several
-    times slower than a max and a min (docs/performance.md "SCORER's matching")."""
+    times slower than a max and a min (docs/performance.md "SCORER+CBR: the batch-wide
+    matching")."""
     top = jnp.max(r, axis=axis, keepdims=True)
     # A float iota: the min reduction vectorises; indices up to 2^24 are exact.
     position = jax.lax.broadcasted_iota(jnp.float32, r.shape, axis)
@@ -240,9 +241,15 @@ def _mtm_chunked_fwd(q: Array, k_chunks: Array, precision: jax.lax.PrecisionLike
 
 
 def _by_column(x: Array) -> Array:
-    """(C, Bq, c, ...) per-chunk residuals -> (C * c, Bq, ...), one entry per column b."""
+    """(C, Bq, c, ...) per-chunk results -> (C * c, Bq, ...), one entry per column b."""
     x = jnp.moveaxis(x, 2, 1)
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _by_row(x: Array) -> Array:
+    """(C, Bq, c, ...) per-chunk results -> (Bq, C * c, ...), one entry per row a."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
 def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> tuple:
@@ -276,9 +283,7 @@ def _mtm_chunked_bwd(precision: jax.lax.PrecisionLike, res: tuple, g: Array) -> 
     columns = (k_chunks.reshape(-1, *k_chunks.shape[2:]), _by_column(row_arg),
                _by_column(col_arg), _by_column(g))
     dq, dk = jax.lax.scan(column, jnp.zeros_like(q), columns)
-    # (C, Bq, c, ...) -> (Bq, C * c, ...): one entry per row a.
-    by_row = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
-    dk, _ = jax.lax.scan(row, dk, (q, by_row(col_arg), by_row(g)))
+    dk, _ = jax.lax.scan(row, dk, (q, _by_row(col_arg), _by_row(g)))
     return dq, dk.reshape(k_chunks.shape)
 
 
@@ -306,9 +311,9 @@ def token_matching_similarity(
     zero-padded; the padded columns are dropped before anything reads them).
 
     Backward pass: ``"argmax"`` (default) keeps only where each maximum is (int32, Bq*Bk*(N+M))
-    and sends the gradient there (a custom VJP: one dense pass forward; backward, per column of
-    S, gathers and scatter-adds of the Bq*(N+M) token rows at the maxima instead of two dense
-    passes; nothing recomputed). ``"remat"`` differentiates the chunked forward with
+    and sends the gradient there (a custom VJP: one dense pass forward; backward, gathers and
+    scatter-adds of the token rows at the maxima, column by column and row by row of S, instead
+    of two dense passes; nothing recomputed). ``"remat"`` differentiates the chunked forward with
     ``jax.checkpoint`` (each chunk recomputed; ``jnp.max``'s rule, which splits the gradient
     between exactly tied maxima where "argmax" gives it to the first). Same values otherwise.
     """
@@ -317,7 +322,7 @@ def token_matching_similarity(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if backward not in ("argmax", "remat"):
         raise ValueError(f"backward must be 'argmax' or 'remat', got {backward!r}")
-    bq, bk = q.shape[0], k.shape[0]
+    bk = k.shape[0]
     chunk_size = min(chunk_size, bk)
     num_chunks = -(-bk // chunk_size)
     k = jnp.pad(k, ((0, num_chunks * chunk_size - bk), (0, 0), (0, 0)))
@@ -326,8 +331,7 @@ def token_matching_similarity(
         s = _mtm_chunked(q, k_chunks, precision)
     else:
         s = jax.lax.map(jax.checkpoint(lambda kc: _mtm(q, kc, precision)), k_chunks)
-    # (num_chunks, Bq, chunk_size) -> (Bq, Bk)
-    return jnp.moveaxis(s, 0, 1).reshape(bq, num_chunks * chunk_size)[:, :bk]
+    return _by_row(s)[:, :bk]  # (num_chunks, Bq, chunk_size) -> (Bq, Bk)
 
 
 # The matching variants of SCORER's Fig. 3 ablation (paper §4.5 "Ablation Study of MTM").

@@ -50,7 +50,7 @@ def test_synthetic_run_flops_match_a_direct_cost_analysis():
     cost = setup.train_step.lower(setup.state, setup.batches[0]).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     assert results["flops"] == pytest.approx(float(cost["flops"]))
-    dots = flop_count.dot_flops(setup.train_step, setup.state, setup.batches[0])
+    dots = flop_count.dot_flops(setup.train_step, setup.state, setup.batches[0])  # a new trace
     assert dots.flops > 0 and results["dot_flops"] == dots.flops
     assert results["dot_flop_per_s"] == pytest.approx(dots.flops / results["step_s"])
 
