@@ -144,7 +144,8 @@ def full_output(batch: dict, params: dict) -> Any:
 
 def mlp_outputs(model: Any, params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
     enc = model.apply(params, batch["before"], batch["after_semantic"], method=lambda m, b, a:
-                      m.encoder(m._features(b), m._features(a), train=False))
+                      m.encoder(m.encoder.embed_image(m._features(b), train=False),
+                                m._features(a), train=False))
     return enc.mlp_before, enc.mlp_after
 
 

@@ -95,6 +95,13 @@ Array = jax.Array
 VARIANTS = ("clevr_change", "clevr_dc")
 
 
+class EmbeddedImage(NamedTuple):
+    """One image after the per-image layers (§4.1 steps 1-2)."""
+
+    tokens: Array  # (B, HW, hidden): X0, projection + grid PE
+    mlp: Array | None  # (B, HW, hidden): DIRL MLP head output, None if not computed
+
+
 class EncoderOutput(NamedTuple):
     diff_before: Array  # (B, HW, hidden): X0_bef - X_bef after the cross layers
     diff_after: Array  # (B, HW, hidden)
@@ -163,15 +170,21 @@ class DIRLEncoder(nn.Module):
         y = nn.relu(self.mlp_0(x))
         return self.mlp_3(self.mlp_dropout(y, deterministic=deterministic))
 
+    def embed_image(self, grid: Array, *, train: bool, with_mlp: bool = True) -> EmbeddedImage:
+        """The per-image layers: X0 and, with ``with_mlp``, the MLP head's output."""
+        tokens = self.embed(grid)
+        mlp = self.mlp(tokens, deterministic=not train) if with_mlp else None
+        return EmbeddedImage(tokens, mlp)
+
     def __call__(
-        self, before: Array, after: Array, *, train: bool, with_mlp: bool = True
+        self, before: EmbeddedImage, after: Array, *, train: bool, with_mlp: bool = True
     ) -> EncoderOutput:
+        """``before`` comes embedded (:meth:`embed_image`): the model embeds it once for both
+        pairs of an example; ``after`` is a grid (B, H, W, C)."""
         deterministic = not train
-        x1_0, x2_0 = self.embed(before), self.embed(after)
-        y1 = y2 = None
-        if with_mlp:
-            y1 = self.mlp(x1_0, deterministic=deterministic)
-            y2 = self.mlp(x2_0, deterministic=deterministic)
+        x1_0, y1 = before
+        x2_0 = self.embed(after)
+        y2 = self.mlp(x2_0, deterministic=deterministic) if with_mlp else None
         x1, x2 = x1_0, x2_0
         for layer in self.transformer:
             # Simultaneous update: both directions read the previous layer's (x1, x2).
@@ -401,7 +414,10 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
         streams.validate_batch(batch, self.streams, model="DIRLCCR")
-        before = self._features(batch["before"])
+        # The "before" image is the same in both pairs: its per-image layers run once per
+        # example, not once per pair as in the official loop (docs/models.md, "DIRL+CCR").
+        before = self.encoder.embed_image(self._features(batch["before"]), train=train,
+                                          with_mlp=self.use_dirl)
         logits, targets, dirl, ccr = {}, {}, [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
             enc = self.encoder(before, self._features(after), train=train,
@@ -430,7 +446,6 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
-        enc = self.encoder(
-            self._features(before), self._features(after), train=train, with_mlp=False
-        )
+        embedded = self.encoder.embed_image(self._features(before), train=train, with_mlp=False)
+        enc = self.encoder(embedded, self._features(after), train=train, with_mlp=False)
         return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
