@@ -179,7 +179,8 @@ def params(batch) -> dict:
 
 def matching_inputs(model: SCORERCBR, params: dict, batch: dict) -> tuple:
     enc = model.apply(params, batch["before"], batch["after_semantic"], method=lambda m, b, a:
-                      m.encoder(m._features(b), m._features(a), train=False))
+                      m.encoder(m.encoder.embed(m._features(b)), m._features(a),
+                                train=False))
     return enc.matching
 
 

@@ -386,10 +386,11 @@ class CHEERS(contract.TrunkModel, nn.Module):
 
     def _encode(self, before: Array, after: Array, entities: Array | None, *, train: bool,
                 axis_name: str | None = None) -> tuple[tuple[Array, Array | None], dict]:
-        """-> ((F_diff, E), {"consistency", "infonce"})."""
+        """Embedded before tokens (:meth:`_embed_grid`), after grid -> ((F_diff, E),
+        {"consistency", "infonce"})."""
         deterministic = not train
         e = self._entities(entities)
-        f_bef, f_aft = self._embed_grid(before), self._embed_grid(after)
+        f_bef, f_aft = before, self._embed_grid(after)
         consistency, infonce = [], []
         for layer in self.hrd:
             f_bef, f_aft, c, (q, k) = layer(f_bef, f_aft, e, deterministic=deterministic,
@@ -422,9 +423,12 @@ class CHEERS(contract.TrunkModel, nn.Module):
                  axis_name: str | None = None) -> ModelOutput:
         streams.validate_batch(batch, self.streams, model="CHEERS", check_ranks=False)
         logits, targets, aux = {}, {}, []
+        # The before image is the same in both pairs: embedded once per example
+        # (docs/models.md, "The before image once per example").
+        before = self._embed_grid(batch["before"])
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
             memory, stream_aux = self._encode(
-                batch["before"], after, batch.get(f"entities_{stream}"),
+                before, after, batch.get(f"entities_{stream}"),
                 train=train, axis_name=axis_name)
             logits[stream] = self._decode(memory, ids, train=train)
             targets[stream] = streams.make_caption_targets(ids)
@@ -437,7 +441,7 @@ class CHEERS(contract.TrunkModel, nn.Module):
     def encode(self, before: Array, after: Array, *, train: bool = False,
                entities: Array | None = None) -> tuple[Array, Array | None]:
         """-> memory (F_diff (B, N, d), projected entities (B, k, d) or None)."""
-        return self._encode(before, after, entities, train=train)[0]
+        return self._encode(self._embed_grid(before), after, entities, train=train)[0]
 
     def init_cache(self, memory: tuple[Array, Array | None], max_len: int) -> None:
         check_decode_length(max_len, self.max_len)

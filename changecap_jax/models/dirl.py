@@ -414,8 +414,9 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         self, batch: dict[str, Array], *, train: bool, axis_name: str | None = None
     ) -> ModelOutput:
         streams.validate_batch(batch, self.streams, model="DIRLCCR")
-        # The "before" image is the same in both pairs: its per-image layers run once per
-        # example, not once per pair as in the official loop (docs/models.md, "DIRL+CCR").
+        # The before image is the same in both pairs: its per-image layers run once per
+        # example, not once per pair as in the official loop (docs/models.md, "The before
+        # image once per example").
         before = self.encoder.embed_image(self._features(batch["before"]), train=train,
                                           with_mlp=self.use_dirl)
         logits, targets, dirl, ccr = {}, {}, [], []

@@ -176,10 +176,16 @@ class ChangeDetector(nn.Module):
         self.embed_fc_0 = TorchDense(self.hidden_dim)
         self.dropout = Dropout(self.dropout_rate)
 
+    def embed(self, grid: Array) -> Array:
+        """(B, H, W, C) -> X0 (B, H*W, hidden): 1x1 projection + grid PE (paper Eq. 1)."""
+        return embed_grid(self.img_0, self.pos_embedding, grid)
+
     def __call__(self, before: Array, after: Array, *, train: bool) -> EncoderOutput:
+        """``before`` comes embedded, X0_bef (:meth:`embed`): the model embeds it once for both
+        pairs of an example; ``after`` is a grid (B, H, W, C)."""
         deterministic = not train
-        x1_0 = embed_grid(self.img_0, self.pos_embedding, before)
-        x2_0 = embed_grid(self.img_0, self.pos_embedding, after)
+        x1_0 = before
+        x2_0 = self.embed(after)
         x1, x2 = x1_0, x2_0
         for layer in self.scorer:
             # Simultaneous update: both directions read the previous layer's (x1, x2). Only the
@@ -374,7 +380,9 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
         self, batch: dict[str, Array], *, train: bool, axis_name: losses.AxisName = None
     ) -> ModelOutput:
         streams.validate_batch(batch, self.streams, model=type(self).__name__)
-        before = self._features(batch["before"])
+        # The before image is the same in both pairs: embedded once per example
+        # (docs/models.md, "The before image once per example").
+        before = self.encoder.embed(self._features(batch["before"]))
         match_loss = lambda m: losses.matching_contrastive_loss(
             m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size,
             matching=self.matching, num_heads=self.scorer_heads)
@@ -411,4 +419,5 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
-        return self.encoder(self._features(before), self._features(after), train=train).memory
+        return self.encoder(self.encoder.embed(self._features(before)), self._features(after),
+                            train=train).memory

@@ -58,9 +58,15 @@ class SubtractionEncoder(nn.Module):
         self.embed_fc_0 = TorchDense(self.hidden_dim)
         self.dropout = Dropout(self.dropout_rate)
 
+    def embed(self, grid: Array) -> Array:
+        """The 1x1 projection (B, H, W, C) -> (B, H, W, hidden)."""
+        return self.img_0(grid)
+
     def __call__(self, before: Array, after: Array, *, train: bool) -> Array:
+        """``before`` comes projected (:meth:`embed`): the model projects it once for both pairs
+        of an example; ``after`` is a grid (B, H, W, C)."""
         b, h, w, _ = before.shape
-        x_bef, x_aft = self.img_0(before), self.img_0(after)
+        x_bef, x_aft = before, self.embed(after)
         pe = self.pos_embedding(h, w)[None]
         diff = x_aft - x_bef + pe
         if self.fusion == "concat":
@@ -101,7 +107,9 @@ class Subtraction(contract.TrunkModel, DelegatedDecoding):
     ) -> ModelOutput:
         del axis_name  # no batch-wide loss
         streams.validate_batch(batch, self.streams, model=type(self).__name__)
-        before = self._features(batch["before"])
+        # The before image is the same in both pairs: projected once per example
+        # (docs/models.md, "The before image once per example").
+        before = self.encoder.embed(self._features(batch["before"]))
         logits, targets = {}, {}
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
             memory = self.encoder(before, self._features(after), train=train)
@@ -113,4 +121,5 @@ class Subtraction(contract.TrunkModel, DelegatedDecoding):
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
-        return self.encoder(self._features(before), self._features(after), train=train)
+        return self.encoder(self.encoder.embed(self._features(before)), self._features(after),
+                            train=train)
