@@ -18,7 +18,26 @@ os.environ.setdefault(
     "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A private persistent compilation cache for this test process (each xdist worker has its
+    own): many tests build the same small programs (a Trainer's step and decoding for the tiny
+    DIRL config, say), and a repeated compile becomes a load from disk. Set through jax.config,
+    not the environment, so that the subprocesses tests start keep their own behaviour; the
+    folder is removed when the process exits."""
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="changecap_test_xla_cache_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -1,7 +1,7 @@
 """The persistent compilation cache every command line turns on (changecap_jax/compile_cache.py).
 
 Each case runs in a fresh interpreter: JAX opens its cache once per process, and this test
-process must not start writing compiled programs anywhere.
+process already has its own private cache (tests/conftest.py), which is not the one under test.
 """
 
 from __future__ import annotations
