@@ -8,7 +8,6 @@ Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import flax
@@ -193,29 +192,6 @@ def test_encoder_update_is_simultaneous_and_dirl_uses_mlp(model, variables, batc
     dirl_dis = run(variables, before, add_spatial_coordinates(batch["after_distractor"]))[3]
     got = float(eval_result[0].aux_losses["dirl"])
     assert got == pytest.approx(0.5 * float(dirl_sem) + 0.5 * float(dirl_dis), rel=1e-5)
-
-
-def test_before_image_layers_run_once_for_both_pairs(model, variables, batch):
-    """The before image is projected and passed through the DIRL MLP once per example: three
-    calls of each per-image layer for the two pairs (before, after_semantic, after_distractor),
-    not four, in training (dropout on) as in evaluation."""
-    calls: dict[str, int] = {}
-
-    def count(next_fun, args, kwargs, context):
-        if context.method_name == "__call__":
-            name = "/".join(context.module.path)
-            calls[name] = calls.get(name, 0) + 1
-        return next_fun(*args, **kwargs)
-
-    for train in (True, False):
-        calls.clear()
-        with flax.linen.intercept_methods(count):
-            jax.eval_shape(functools.partial(model.apply, train=train,
-                                             rngs={"dropout": jax.random.key(0)}),
-                           variables, batch)
-        per_image = {k: calls.get(f"encoder/{k}", 0) for k in ("img", "mlp_0", "mlp_3")}
-        assert per_image == {"img": 3, "mlp_0": 3, "mlp_3": 3}, (train, per_image)
-        assert calls["encoder/transformer_0"] == 4  # two directions per pair
 
 
 def test_semantic_only_pairs(variables, batch, eval_apply):
