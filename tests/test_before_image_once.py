@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -20,8 +18,6 @@ import pytest
 
 from changecap_jax import models
 from changecap_jax import synthetic_inputs as si
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # config module -> the per-image modules (paths) that must run once per image.
 PER_IMAGE = {

@@ -176,15 +176,14 @@ class DIRLEncoder(nn.Module):
         mlp = self.mlp(tokens, deterministic=not train) if with_mlp else None
         return EmbeddedImage(tokens, mlp)
 
-    def __call__(
-        self, before: EmbeddedImage, after: Array, *, train: bool, with_mlp: bool = True
-    ) -> EncoderOutput:
+    def __call__(self, before: EmbeddedImage, after: Array, *, train: bool) -> EncoderOutput:
         """``before`` comes embedded (:meth:`embed_image`): the model embeds it once for both
-        pairs of an example; ``after`` is a grid (B, H, W, C)."""
+        pairs of an example; ``after`` is a grid (B, H, W, C), through the MLP head when
+        ``before`` was."""
         deterministic = not train
         x1_0, y1 = before
         x2_0 = self.embed(after)
-        y2 = self.mlp(x2_0, deterministic=deterministic) if with_mlp else None
+        y2 = None if y1 is None else self.mlp(x2_0, deterministic=deterministic)
         x1, x2 = x1_0, x2_0
         for layer in self.transformer:
             # Simultaneous update: both directions read the previous layer's (x1, x2).
@@ -421,8 +420,7 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
                                           with_mlp=self.use_dirl)
         logits, targets, dirl, ccr = {}, {}, [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
-            enc = self.encoder(before, self._features(after), train=train,
-                               with_mlp=self.use_dirl)
+            enc = self.encoder(before, self._features(after), train=train)
             if self.use_dirl:
                 dirl.append(
                     losses.barlow_correlation_loss(
@@ -448,5 +446,5 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         embedded = self.encoder.embed_image(self._features(before), train=train, with_mlp=False)
-        enc = self.encoder(embedded, self._features(after), train=train, with_mlp=False)
+        enc = self.encoder(embedded, self._features(after), train=train)
         return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
