@@ -65,6 +65,7 @@ from changecap_jax import (
     decoding,
     experiment,
     flop_count,
+    host_memory,
     models,
     parallel,
     precision,
@@ -224,12 +225,16 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     state, metrics = compiled(setup.state, setup.batches[0])  # first run: allocations
     jax.block_until_ready(metrics)
     loss_first_step = float(metrics["loss"])
-    times, matmul_times = [], []
+    times, matmul_times, faults, kernel_s = [], [], [], []
     for k in range(steps):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         state, metrics = compiled(state, setup.batches[(k + 1) % len(setup.batches)])
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(after.ru_minflt - usage.ru_minflt)
+        kernel_s.append(after.ru_stime - usage.ru_stime)
         if matmul is not None:
             matmul_times.append(matmul())
     setup.state = state  # the old state was donated to the step
@@ -240,6 +245,9 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     out = {"compile_s": compile_s, "lower_s": lower_s, "step_s": step_s, "steps": steps,
            "loss_first_step": loss_first_step, **cost,
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
+           "page_faults_per_step": statistics.median(faults),
+           "kernel_cpu_s_per_step": statistics.median(kernel_s),
+           "host_memory_kept": host_memory.kept,
            "dot_flops": dots.flops, "dot_flop_per_s": dots.flops / step_s,
            "dot_flops_in_scans": dots.in_scans,
            "loops_of_unknown_length": dots.unknown_trip_count_loops,
@@ -414,6 +422,10 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
         lines.append(f"step FLOP/s = {r['percent_of_matmul']:.1f}% of a float32 {n}x{n} "
                      f"matmul's ({r['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s)")
     lines.append(_dot_line(r))
+    lines.append(f"host memory: {r['page_faults_per_step']:.0f} page faults and "
+                 f"{r['kernel_cpu_s_per_step']:.2f} s of kernel CPU time per step (median); "
+                 f"freed memory kept in the process: {'yes' if r['host_memory_kept'] else 'no'} "
+                 f"(changecap_jax/host_memory.py)")
     if r["input_examples_per_s"] is not None:
         lines.append(f"input pipeline alone: {r['input_examples_per_s']:.1f} examples/s "
                      f"({r['input_batches']} batches)")

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from changecap_jax import checkpoints, console, export
+from changecap_jax import checkpoints, console, export, host_memory
 from changecap_jax.metric_writer import MetricWriter
 from changecap_jax.update import TrainState
 
@@ -265,7 +265,9 @@ def _evaluate(task: Task, manager: ocp.CheckpointManager, state: TrainState, ste
               streams: dict[str, Any], writer: MetricWriter, final: bool) -> dict[str, Any]:
     """The task's evaluation; on failure the training since the last save is kept first."""
     try:
-        return task.evaluate_at(state, step, writer, final)
+        results = task.evaluate_at(state, step, writer, final)
+        host_memory.release()  # what fragmentation kept since the last one (host_memory.py)
+        return results
     except Exception:
         logging.error("evaluation at step %d failed; saved the checkpoint of step %d first, "
                       "so a rerun resumes here", step, step)

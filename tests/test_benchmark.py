@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,7 @@ def test_command_writes_every_result_to_json(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("train step compile:", "train step median:", "greedy decode median:",
                  "peak memory:", "% of a float32 64x64 matmul", "compilation cache: off",
+                 "host memory:",
                  "matmul work (dots of the traced step, every loop iteration counted):"):
         assert line in done.stdout
     results = json.loads(out.read_text())
@@ -85,8 +87,12 @@ def test_command_writes_every_result_to_json(tmp_path):
                 "matmul_flop_per_s", "percent_of_matmul", "dot_flops", "dot_flop_per_s",
                 "dot_percent_of_matmul", "decode_compile_s",
                 "decode_s_per_batch", "input_examples_per_s", "bottleneck",
-                "peak_memory_bytes", "input_shapes", "compilation_cache"):
+                "peak_memory_bytes", "input_shapes", "compilation_cache",
+                "page_faults_per_step", "kernel_cpu_s_per_step"):
         assert key in results, key
+    # Every command keeps freed host memory where glibc runs it (changecap_jax/host_memory.py).
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert results["host_memory_kept"] is glibc
     assert results["preset"] == "configs/subtraction.py"
     assert results["config"]["model"]["name"] == "subtraction"
     assert results["devices"]["count"] == BATCH and results["decode_s_per_batch"] > 0

@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 from tqdm import tqdm
 
-from changecap_jax import cli, console
+from changecap_jax import cli, console, host_memory
 from changecap_jax import evaluation as ev
 from changecap_jax.errors import UserError
 
@@ -90,9 +90,10 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 
 @pytest.fixture
-def in_process():
+def in_process(monkeypatch):
     """cli.run here: absl's app.run changes the root logger, JAX's level and the flags; put
-    them back."""
+    them back. The test process keeps glibc's default allocator (host_memory)."""
+    monkeypatch.setenv(host_memory.ENV_SWITCH, "0")
     root, jax_logger, absl_logger = (logging.getLogger(n) for n in ("", "jax", "absl"))
     saved = (root.handlers[:], root.level, jax_logger.level, absl_logger.level)
     yield

@@ -87,3 +87,19 @@ def test_a_non_finite_loss_stops_the_loop(name):
     window.add("", {}, 1)
     with pytest.raises(loop.NonFiniteLossError, match=f"non-finite {name} nan at step 3"):
         window.scalars(Task(), 3)
+
+
+def test_host_memory_is_released_after_each_evaluation(monkeypatch):
+    """Fragmentation the kept host memory gathered is given back once per evaluation
+    (changecap_jax/host_memory.py)."""
+    calls = []
+    monkeypatch.setattr(loop.host_memory, "release", lambda: calls.append("release"))
+
+    class Task:
+        def evaluate_at(self, state, step, writer, final):
+            calls.append(f"evaluate {step}")
+            return {"val": {"CIDEr": 1.0}}
+
+    results = loop._evaluate(Task(), None, None, 7, {}, None, False)
+    assert results == {"val": {"CIDEr": 1.0}}
+    assert calls == ["evaluate 7", "release"]
