@@ -38,7 +38,11 @@ Prints, in this order (the first six lines as before):
   torch's thread count and both first-step losses (changecap_jax/benchmark_torch.py); then,
   unless ``--decode_batches=0``, both sides' greedy decoding of the eval batch from the same
   initial weights, alternating (``--decode_batches`` rounds): the ratio, the share of
-  identical captions and the largest log-probability difference.
+  identical captions and the largest log-probability difference;
+* with ``--compare_official=CHECKOUT`` (DIRL+CCR and SCORER+CBR at their clevr_change presets):
+  the median step of the OFFICIAL training iteration, imported from a local checkout of the
+  official repository, alternating with the JAX step, and the ratio official / JAX
+  (changecap_jax/benchmark_official.py).
 
 ``--json=PATH`` writes every number, the config and the devices (atomically).
 """
@@ -326,24 +330,30 @@ def peak_memory() -> dict[str, Any]:
 def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         synthetic_inputs: bool = False, shapes: Any = None, input_batches: int = 0,
         matmul_size: int = 2048, compare_torch: bool = False,
-        torch_threads: int = 0) -> dict[str, Any]:
+        torch_threads: int = 0, compare_official: str | None = None) -> dict[str, Any]:
     """Returns the measured numbers (also used by tests). ``shapes``: the
     ``synthetic_inputs.InputShapes`` of a synthetic run (default: the config dataset's).
     ``compare_torch``: also time the model's torch reference (changecap_jax/benchmark_torch.py),
     which gives the JAX state its initial weights, with ``torch_threads`` CPU threads (0:
-    torch's default)."""
+    torch's default). ``compare_official``: a checkout of the official repository of the
+    config's model, whose train step is timed too (changecap_jax/benchmark_official.py)."""
     check_supported(config)
     if steps < 1:
         raise BenchmarkError(f"steps must be >= 1, got {steps}")
     torch_side = _torch_comparison() if compare_torch else None
     if torch_side:
         torch_side.check_config(config)
+    official_side = _official_comparison() if compare_official else None
+    if official_side:
+        official_side.check_checkout(config, compare_official)
     if synthetic_inputs:
         shapes = shapes or si.input_shapes(config)
         setup = synthetic_setup(config, shapes)
     else:
         setup = dataset_setup(config)
     reference = torch_side.prepare(config, setup, torch_threads) if torch_side else None
+    official = (official_side.prepare(config, setup, compare_official, torch_threads)
+                if official_side else None)
     results = time_train_step(setup, steps, matmul_size)
     results["examples_per_s"] = config.batch_size / results["step_s"]
     results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
@@ -362,6 +372,8 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         results.update(torch_side.compare(reference, setup, config, steps, epoch))
         if decode_batches > 0:
             results.update(torch_side.compare_decode(reference, setup, decode_batches))
+    if official is not None:
+        results.update(official_side.compare(official, setup, steps))
     return results
 
 
@@ -370,6 +382,13 @@ def _torch_comparison() -> Any:
     from changecap_jax import benchmark_torch
 
     return benchmark_torch
+
+
+def _official_comparison() -> Any:
+    # Imported for --compare_official only (it imports PyTorch when it runs).
+    from changecap_jax import benchmark_official
+
+    return benchmark_official
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
@@ -433,7 +452,20 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
                      f"{r['input_examples_per_s']:.1f} examples/s)")
     if "compilation_cache" in r:
         lines.append(f"compilation cache: {r['compilation_cache'] or 'off'}")
-    return lines + torch_lines(r)
+    return lines + torch_lines(r) + official_lines(r)
+
+
+def official_lines(r: dict[str, Any]) -> list[str]:
+    """The lines of ``--compare_official`` (none without it)."""
+    if r.get("official_step_s") is None:
+        return []
+    return [f"official step ({r['official_repo']}, {r['official_yaml']}): median "
+            f"{r['official_step_s']:.3f} s/step; official/jax ratio "
+            f"{r['official_over_jax']:.2f} (>1: JAX faster); {r['official_threads']} torch "
+            f"threads (JAX {r['official_jax_step_s']:.3f} s/step in the same "
+            f"{r['official_steps']} alternating rounds)",
+            f"first-step loss, each side's own initial weights: official "
+            f"{r['official_loss_first_step']:.6f}, jax {r['loss_first_step']:.6f}"]
 
 
 def torch_lines(r: dict[str, Any]) -> list[str]:
@@ -487,8 +519,13 @@ def define_flags() -> None:
     flags.DEFINE_bool("compare_torch", False,
                       "Also time the model's torch reference (changecap_jax/torch_reference) on "
                       "the same batches, alternating with the JAX step (needs PyTorch).")
+    flags.DEFINE_string("compare_official", None,
+                        "Also time the OFFICIAL train step, imported from this local checkout "
+                        "of tuyunbin/DIRL or tuyunbin/SCORER (the config's model, clevr_change "
+                        "preset), alternating with the JAX step (needs PyTorch).")
     flags.DEFINE_integer("torch_threads", 0,
-                         "With --compare_torch: torch's CPU threads (0: torch's default).")
+                         "With --compare_torch / --compare_official: torch's CPU threads "
+                         "(0: torch's default).")
 
 
 def main(argv: list[str]) -> None:
@@ -503,7 +540,8 @@ def main(argv: list[str]) -> None:
     results = run(config, FLAGS.steps, FLAGS.decode_batches,
                   synthetic_inputs=FLAGS.synthetic_inputs, shapes=shapes,
                   input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size,
-                  compare_torch=FLAGS.compare_torch, torch_threads=FLAGS.torch_threads)
+                  compare_torch=FLAGS.compare_torch, torch_threads=FLAGS.torch_threads,
+                  compare_official=FLAGS.compare_official)
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()),
                    compilation_cache=jax.config.jax_compilation_cache_dir)
