@@ -344,8 +344,6 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
     if torch_side:
         torch_side.check_config(config)
     official_side = _official_comparison() if compare_official else None
-    if official_side:
-        official_side.check_checkout(config, compare_official)
     if synthetic_inputs:
         shapes = shapes or si.input_shapes(config)
         setup = synthetic_setup(config, shapes)
@@ -459,13 +457,14 @@ def official_lines(r: dict[str, Any]) -> list[str]:
     """The lines of ``--compare_official`` (none without it)."""
     if r.get("official_step_s") is None:
         return []
-    return [f"official step ({r['official_repo']}, {r['official_yaml']}): median "
-            f"{r['official_step_s']:.3f} s/step; official/jax ratio "
-            f"{r['official_over_jax']:.2f} (>1: JAX faster); {r['official_threads']} torch "
-            f"threads (JAX {r['official_jax_step_s']:.3f} s/step in the same "
+    return [f"official step ({r['official_repository']} at {r['official_repo']}, "
+            f"{r['official_yaml']}): median {r['official_step_s']:.3f} s/step; official/jax "
+            f"ratio {r['official_over_jax']:.2f} (>1: JAX faster); {r['official_threads']} "
+            f"torch threads (JAX {r['official_jax_step_s']:.3f} s/step in the same "
             f"{r['official_steps']} alternating rounds)",
             f"first-step loss, each side's own initial weights: official "
-            f"{r['official_loss_first_step']:.6f}, jax {r['loss_first_step']:.6f}"]
+            f"{r['official_loss_first_step']:.6f}, jax {r['loss_first_step']:.6f}",
+            *(f"official training differs: {note}" for note in r["official_notes"])]
 
 
 def torch_lines(r: dict[str, Any]) -> list[str]:
