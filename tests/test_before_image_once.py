@@ -3,8 +3,8 @@
 Both pairs of a two-pair example (semantic, distractor) share the before image; DIRL+CCR,
 SCORER+CBR, the Subtraction baseline and CHEERS embed it once and both pairs read the result
 (docs/models.md, "The before image once per example"). Counted here at trace time: the 1x1
-projection (and DIRL's MLP head) is called three times for the two pairs (before,
-after_semantic, after_distractor), in training as in evaluation.
+projection (and DIRL's MLP head and first-cross-layer projections) is called three times for
+the two pairs (before, after_semantic, after_distractor), in training as in evaluation.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from changecap_jax import synthetic_inputs as si
 
 # config module -> the per-image modules (paths) that must run once per image.
 PER_IMAGE = {
-    "dirl": ("encoder/img", "encoder/mlp_0", "encoder/mlp_3"),
+    # and the first cross layer's projections of X0: the before image's query (one
+    # direction) and keys and values (the other) are the same in both pairs.
+    "dirl": ("encoder/img", "encoder/mlp_0", "encoder/mlp_3",
+             "encoder/transformer_0/attention/q_proj", "encoder/transformer_0/attention/k_proj",
+             "encoder/transformer_0/attention/v_proj"),
     "scorer": ("encoder/img_0",),
     "subtraction": ("encoder/img_0",),
     "cheers": ("img",),

@@ -96,10 +96,14 @@ VARIANTS = ("clevr_change", "clevr_dc")
 
 
 class EmbeddedImage(NamedTuple):
-    """One image after the per-image layers (§4.1 steps 1-2)."""
+    """One image after the per-image layers (§4.1 steps 1-2), with its projections in the first
+    cross layer: its query in one direction, its keys and values in the other (every pair with
+    this image reads them)."""
 
     tokens: Array  # (B, HW, hidden): X0, projection + grid PE
     mlp: Array | None  # (B, HW, hidden): DIRL MLP head output, None if not computed
+    first_query: Array  # (B, HW, heads, hidden / heads)
+    first_key_value: tuple[Array, Array]
 
 
 class EncoderOutput(NamedTuple):
@@ -132,8 +136,12 @@ class CrossAttentionLayer(nn.Module):
         self.norm1 = torch_layer_norm(self.layer_norm_eps)
         self.dropout = Dropout(self.dropout_rate)
 
-    def __call__(self, x: Array, y: Array, *, deterministic: bool = True) -> Array:
-        attended = self.attention(x, y, deterministic=deterministic)
+    def __call__(self, x: Array, y: Array, *, deterministic: bool = True,
+                 x_query: Array | None = None,
+                 y_key_value: tuple[Array, Array] | None = None) -> Array:
+        """``x_query`` / ``y_key_value``: x's query / y's keys and values, already projected."""
+        attended = self.attention(x, y, deterministic=deterministic, query=x_query,
+                                  key_value=y_key_value)
         return self.norm1(x + self.dropout(attended, deterministic=deterministic))
 
 
@@ -171,25 +179,31 @@ class DIRLEncoder(nn.Module):
         return self.mlp_3(self.mlp_dropout(y, deterministic=deterministic))
 
     def embed_image(self, grid: Array, *, train: bool, with_mlp: bool = True) -> EmbeddedImage:
-        """The per-image layers: X0 and, with ``with_mlp``, the MLP head's output."""
+        """The per-image layers: X0 and, with ``with_mlp``, the MLP head's output; and X0's
+        projections in the first cross layer."""
         tokens = self.embed(grid)
         mlp = self.mlp(tokens, deterministic=not train) if with_mlp else None
-        return EmbeddedImage(tokens, mlp)
+        first = self.transformer[0].attention
+        return EmbeddedImage(tokens, mlp, first.project_query(tokens),
+                             first.project_key_value(tokens))
 
     def __call__(self, before: EmbeddedImage, after: Array, *, train: bool) -> EncoderOutput:
         """``before`` comes embedded (:meth:`embed_image`): the model embeds it once for both
         pairs of an example; ``after`` is a grid (B, H, W, C), through the MLP head when
         ``before`` was."""
         deterministic = not train
-        x1_0, y1 = before
+        x1_0, y1 = before.tokens, before.mlp
         x2_0 = self.embed(after)
         y2 = None if y1 is None else self.mlp(x2_0, deterministic=deterministic)
         x1, x2 = x1_0, x2_0
-        for layer in self.transformer:
-            # Simultaneous update: both directions read the previous layer's (x1, x2).
+        for i, layer in enumerate(self.transformer):
+            # Simultaneous update: both directions read the previous layer's (x1, x2). In the
+            # first layer the before image's projections come with it, made once per example.
             x1, x2 = (
-                layer(x1, x2, deterministic=deterministic),
-                layer(x2, x1, deterministic=deterministic),
+                layer(x1, x2, deterministic=deterministic,
+                      x_query=before.first_query if i == 0 else None),
+                layer(x2, x1, deterministic=deterministic,
+                      y_key_value=before.first_key_value if i == 0 else None),
             )
         return EncoderOutput(x1_0 - x1, x2_0 - x2, y1, y2)
 

@@ -232,6 +232,14 @@ class MultiheadAttention(nn.Module):
     def _key_value(self, x: Array) -> tuple[Array, Array]:
         return self._split(self.k_proj(x)), self._split(self.v_proj(x))
 
+    def project_query(self, x: Array) -> Array:
+        """The scaled per-head query of ``x`` (B, L, E) -> (B, L, H, E/H), for ``query=``."""
+        return self._query(x)
+
+    def project_key_value(self, x: Array) -> tuple[Array, Array]:
+        """The per-head keys and values of ``x``, for ``key_value=``."""
+        return self._key_value(x)
+
     def _attend(
         self, q: Array, k: Array, v: Array, mask: Array | None, deterministic: bool,
         kv_layout: str = TOKEN_MAJOR,
@@ -254,14 +262,19 @@ class MultiheadAttention(nn.Module):
         *,
         mask: Array | None = None,
         deterministic: bool = True,
+        query: Array | None = None,
+        key_value: tuple[Array, Array] | None = None,
     ) -> Array:
         """Attend from ``inputs_q`` (B, Lq, E) to ``inputs_kv`` (B, Lk, E).
 
         ``mask``: boolean, broadcastable to (B, H, Lq, Lk), True = may attend
-        (see :func:`make_attention_mask`).
+        (see :func:`make_attention_mask`). ``query`` / ``key_value``: the projections of
+        ``inputs_q`` / ``inputs_kv`` (:meth:`project_query`, :meth:`project_key_value`), when
+        the caller already made them for an input it attends with more than once.
         """
-        k, v = self._key_value(inputs_kv)
-        return self._attend(self._query(inputs_q), k, v, mask, deterministic)
+        k, v = self._key_value(inputs_kv) if key_value is None else key_value
+        q = self._query(inputs_q) if query is None else query
+        return self._attend(q, k, v, mask, deterministic)
 
     # ---- incremental decoding -------------------------------------------------------------
 
