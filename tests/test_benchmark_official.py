@@ -12,7 +12,6 @@ is, and a folder that is not a checkout."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -93,7 +92,8 @@ def test_errors(checkout, tmp_path):
     wide.model.mlp_hidden_dim = 32
     with pytest.raises(benchmark_official.OfficialError, match="model.mlp_hidden_dim 32 -> 64"):
         benchmark_official.prepare(wide, setup, checkout)
-    with pytest.raises(benchmark_official.OfficialError, match="not the expected official checkout: .* models/DIRL.py"):
+    with pytest.raises(benchmark_official.OfficialError,
+                       match="not the expected official checkout: .* models/DIRL.py"):
         benchmark_official.prepare(setup_config, setup, tmp_path)
 
 
@@ -101,15 +101,11 @@ def test_errors(checkout, tmp_path):
 def test_real_official_checkout(model):
     """Against a real checkout: DIRL at tiny sizes; SCORER at the widths its CBR hard-codes
     (512 channels, 8 heads, 14x14 grid) with few feature channels."""
-    variable = f"CHANGECAP_OFFICIAL_{model.upper()}"
-    checkout = os.environ.get(variable)
-    if not checkout:
-        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
-                    f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
+    checkout = official_layout.real_checkout(model)
     config, shapes = tiny_config(model), SHAPES
     if model == "scorer":
         config.model.update(hidden_dim=512, num_heads=8, word_dim=300)
         shapes = si.InputShapes((14, 14, 8), 12, 7)
     results = benchmark.run(config, steps=1, decode_batches=0, synthetic_inputs=True,
-                            shapes=shapes, matmul_size=0, compare_official=checkout)
+                            shapes=shapes, matmul_size=0, compare_official=str(checkout))
     assert results["official_step_s"] > 0 and math.isfinite(results["official_loss_first_step"])

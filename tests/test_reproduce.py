@@ -244,11 +244,7 @@ def test_without_a_checkout_exits_2_with_one_line():
 def test_real_official_checkout(model, tmp_path):
     """Against a real checkout: DIRL at tiny sizes; SCORER at the widths its CBR hard-codes
     (512 channels, 8 heads, 14x14 grid) with few feature channels."""
-    variable = f"CHANGECAP_OFFICIAL_{model.upper()}"
-    checkout = os.environ.get(variable)
-    if not checkout:
-        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
-                    f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
+    checkout = official_layout.real_checkout(model)
     config = tiny_config(model, "clevr_change")
     shape = (4, 4, 6)
     if model == "scorer":

@@ -216,3 +216,18 @@ def write_checkout(root: Path, model: str) -> Path:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     return root
+
+
+def real_checkout(model: str) -> Path:
+    """The real official checkout of ``model`` named by ``CHANGECAP_OFFICIAL_DIRL`` /
+    ``CHANGECAP_OFFICIAL_SCORER``; skips the calling test when the variable is unset."""
+    import os
+
+    import pytest
+
+    variable = f"CHANGECAP_OFFICIAL_{model.upper()}"
+    checkout = os.environ.get(variable)
+    if not checkout:
+        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
+                    f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
+    return Path(checkout)
