@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,19 +56,13 @@ class OfficialStep:
 
     def __call__(self) -> float:
         """One official iteration; returns its total loss."""
-        import torch
-
-        with off.cuda_is_identity(), warnings.catch_warnings():
-            # The official CCR passes a float causal mask with a bool padding mask (CCR*.py).
-            warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+        with off.running_official():
             batch = reproduce.torch_batch(self.batch, self.streams, self.model.spatial_info)
             self.optimizer.zero_grad()
             total = self.adapter.losses(self.model, batch)["total"]
             loss = float(total.item())
             total.backward()
-            if self.cfg.train.grad_clip != -1.0:  # each module's norm clipped separately
-                for module in self.model.trained:
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), self.cfg.train.grad_clip)
+            reproduce.clip_gradients(self.model, self.cfg)
             self.optimizer.step()
             self.adapter.after_step(self.model)
         return loss
@@ -104,16 +97,12 @@ def prepare(config: ml_collections.ConfigDict, setup: Any, root: str | os.PathLi
         if threads:
             torch.set_num_threads(threads)
         with off.cuda_is_identity():
-            cfg = off.load_cfg(lib["configs.config_transformer"], path,
-                               adapter.yaml(config.model), overrides)
-            torch.manual_seed(config.seed)  # the training scripts' seed, as config.seed
-            model = adapter.build(lib, cfg, config.model)
+            cfg, model, optimizer = reproduce.build_modules(adapter, config, path, lib,
+                                                            overrides)
     except (adapters.ReproduceError, off.OfficialCheckoutError) as e:
         raise OfficialError(f"--compare_official: {e}") from e
     for module in model.modules.values():
         module.train()  # as the training loop runs them, dropout on
-    params = [p for m in model.trained for p in m.parameters()]
-    optimizer = lib["utils.utils"].build_optimizer(params, cfg)
     return OfficialStep(path, adapter.yaml(config.model), adapter, model, cfg, optimizer, host,
                         streams, changes + adapter.differences(config, cfg))
 

@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,16 @@ def cuda_is_identity() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda, torch.nn.Module.cuda = saved
+
+
+@contextlib.contextmanager
+def running_official() -> Iterator[None]:
+    """While the official code runs: :func:`cuda_is_identity`, and torch's warning about the
+    official CCR's masks silenced (it passes a float causal mask with a bool padding mask,
+    models/CCR*.py)."""
+    with cuda_is_identity(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+        yield
 
 
 def load_cfg(config_module: Any, root: Path, yaml_file: str,

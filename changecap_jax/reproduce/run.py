@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,6 +223,30 @@ def disable_dropout(modules: list[Any]) -> None:
                 sub.dropout = 0.0
 
 
+def build_modules(adapter: Adapter, config: ml_collections.ConfigDict, root: Path,
+                  lib: dict[str, Any], overrides: list[tuple[str, Any]]
+                  ) -> tuple[Any, OfficialModel, Any]:
+    """The official cfg (the script's yaml, then ``overrides``), modules (after the script's
+    seed, ``config.seed``) and optimiser (``build_optimizer`` on the trained modules)."""
+    import torch
+
+    cfg = off.load_cfg(lib["configs.config_transformer"], root, adapter.yaml(config.model),
+                       overrides)
+    torch.manual_seed(config.seed)  # train.py seeds torch with 1111, as config.seed
+    model = adapter.build(lib, cfg, config.model)
+    params = [p for m in model.trained for p in m.parameters()]
+    return cfg, model, lib["utils.utils"].build_optimizer(params, cfg)
+
+
+def clip_gradients(model: OfficialModel, cfg: Any) -> None:
+    """train.py's clipping: each trained module's norm separately, unless grad_clip is -1."""
+    import torch
+
+    if cfg.train.grad_clip != -1.0:
+        for module in model.trained:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
+
+
 def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options: Options,
                    inputs: Inputs, lib: dict[str, Any]) -> OfficialSide:
     """The official cfg, modules, optimiser and schedule (``lib``: the imported checkout)."""
@@ -233,13 +256,8 @@ def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options:
     s = inputs.sizes
     overrides = adapter.cfg_overrides(config, s.feature_channels, s.vocab_size, s.max_len)
     overrides += [off.parse_cfg_override(o) for o in options.official_cfg]
-    cfg = off.load_cfg(lib["configs.config_transformer"], root, adapter.yaml(config.model),
-                       overrides)
-    torch.manual_seed(config.seed)  # train.py seeds torch with 1111, as config.seed
-    model = adapter.build(lib, cfg, config.model)
+    cfg, model, optimizer = build_modules(adapter, config, root, lib, overrides)
     disable_dropout(list(model.modules.values()))
-    params = [p for m in model.trained for p in m.parameters()]
-    optimizer = lib["utils.utils"].build_optimizer(params, cfg)
     scheduler = torch.optim.lr_scheduler.StepLR(
         optimizer, step_size=cfg.train.optim.step_size, gamma=cfg.train.optim.gamma)
     return OfficialSide(adapter, model, cfg, optimizer, scheduler, inputs.steps_per_epoch)
@@ -247,7 +265,6 @@ def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options:
 
 def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
     """One iteration of the official loop body; returns its losses, norm and lr."""
-    import torch
 
     optimizer, cfg = side.optimizer, side.cfg
     optimizer.zero_grad()
@@ -255,9 +272,7 @@ def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
     losses["total"].backward()
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-    if cfg.train.grad_clip != -1.0:  # train.py: each module's norm clipped separately
-        for module in side.model.trained:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
+    clip_gradients(side.model, cfg)
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     side.adapter.after_step(side.model)
@@ -416,10 +431,8 @@ def compare(config: ml_collections.ConfigDict, options: Options,
     model = models.build(config.model, vocab_size=inputs.sizes.vocab_size,
                          max_len=inputs.sizes.max_len)
     terms = ("caption", *config.loss_weights, "total")
-    with off.cuda_is_identity(), jax.default_matmul_precision("highest"), \
-            f64.jax_precision(options.precision), warnings.catch_warnings():
-        # The official CCR passes a float causal mask with a bool padding mask (CCR*.py).
-        warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+    with off.running_official(), jax.default_matmul_precision("highest"), \
+            f64.jax_precision(options.precision):
         side = build_official(adapter, config, options, inputs, lib)
         notes += adapter.differences(config, side.cfg)
         if options.precision == "float64":
