@@ -36,6 +36,7 @@ import numpy as np
 
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dropout import Dropout
+from changecap_jax.models.linear import linear
 from changecap_jax.precision import at_least_float32
 
 Array = jax.Array
@@ -104,7 +105,7 @@ class TorchDense(nn.Module):
     def __call__(self, x: Array) -> Array:
         fan_in = x.shape[-1]
         kernel = self.param("kernel", self.kernel_init, (fan_in, self.features), jnp.float32)
-        y = jnp.dot(x, kernel.astype(x.dtype))
+        y = linear(x, kernel.astype(x.dtype))
         if self.use_bias:
             if self.bias_init == "torch":
                 init = uniform_init(1.0 / math.sqrt(fan_in))

@@ -1,0 +1,81 @@
+"""models/linear.py: the dense product whose kernel gradient runs as a plain product on CPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from changecap_jax.models.linear import kernel_gradient, linear
+
+
+def _inputs(tokens: int, fan_in: int, fan_out: int, dtype=jnp.float32):
+    rng = np.random.default_rng(fan_in * 7 + fan_out)
+    x = jnp.asarray(rng.standard_normal((2, tokens, fan_in)), dtype)
+    kernel = jnp.asarray(rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in), dtype)
+    return x, kernel
+
+
+def _grads(product, x, kernel):
+    # a non-linear loss, so that the cotangent differs from token to token
+    loss = lambda x, kernel: jnp.sum(jnp.sin(product(x, kernel)).astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, kernel)
+
+
+@pytest.mark.parametrize("fan_in,fan_out", [(96, 32), (32, 96), (48, 48)])
+def test_same_values_and_gradients_as_the_plain_product(fan_in, fan_out):
+    x, kernel = _inputs(50, fan_in, fan_out)
+    np.testing.assert_array_equal(linear(x, kernel), jnp.dot(x, kernel))
+    (loss, (dx, dk)), (ref_loss, (ref_dx, ref_dk)) = (
+        _grads(linear, x, kernel), _grads(jnp.dot, x, kernel))
+    assert float(loss) == float(ref_loss)
+    np.testing.assert_array_equal(dx, ref_dx)  # the input gradient is the same product
+    # the kernel gradient sums the same products in another order: float32 rounding only
+    np.testing.assert_allclose(dk, ref_dk, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref_dk))))
+    assert dk.shape == kernel.shape
+
+
+def test_kernel_gradient_is_the_sum_over_tokens():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    g = rng.standard_normal((3, 5, 6)).astype(np.float32)
+    expected = sum(np.outer(x[b, t], g[b, t]) for b in range(3) for t in range(5))
+    np.testing.assert_allclose(jax.jit(kernel_gradient)(x, g), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_keeps_its_dtype_and_values():
+    x, kernel = _inputs(40, 64, 32, jnp.bfloat16)
+    _, (dx, dk) = _grads(linear, x, kernel)
+    _, (ref_dx, ref_dk) = _grads(jnp.dot, x, kernel)
+    assert dk.dtype == dx.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dk, np.float32), np.asarray(ref_dk, np.float32),
+                               rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(ref_dk))))
+
+
+def _dots(fn, *args) -> list[str]:
+    return [line for line in jax.jit(fn).lower(*args).compile().as_text().splitlines()
+            if re.search(r"= \S+ dot\(", line)]
+
+
+def _transposed_lhs(dot_line: str) -> bool:
+    return "lhs_contracting_dims={0}" in dot_line
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU lowering")
+@pytest.mark.parametrize("fan_in,fan_out", [(96, 32), (32, 96)])
+def test_cpu_kernel_gradient_is_a_plain_product(fan_in, fan_out):
+    """XLA folds x^T into the dot (contracting the lhs's token axis), the form its CPU runtime
+    runs slowest; here the gradient's dot contracts the lhs's last axis, and the one transposed
+    copy is of the smaller operand."""
+    x, kernel = _inputs(50, fan_in, fan_out)
+    g = jnp.ones((2, 50, fan_out))
+    assert any(_transposed_lhs(d) for d in _dots(lambda x, g: jnp.dot(x.reshape(-1, fan_in).T,
+                                                                     g.reshape(-1, fan_out)), x, g))
+    dots = _dots(kernel_gradient, x, g)
+    assert len(dots) == 1 and not _transposed_lhs(dots[0]), dots
+    hlo = jax.jit(kernel_gradient).lower(x, g).compile().as_text()
+    smaller = min(fan_in, fan_out)
+    assert re.search(rf"= f32\[{smaller},100\]\{{1,0\}} (fusion|transpose|copy)", hlo), hlo
+    grad_dots = _dots(jax.grad(lambda x, k: jnp.sum(jnp.sin(linear(x, k))), argnums=1), x, kernel)
+    assert grad_dots and not any(_transposed_lhs(d) for d in grad_dots), grad_dots
