@@ -110,6 +110,7 @@ from changecap_jax.models.layers import (
     model_input,
     torch_default_kernel_init,
 )
+from changecap_jax.models.linear import linear
 
 Array = jax.Array
 
@@ -343,7 +344,7 @@ class ImageProjection(nn.Module):
         )
 
     def __call__(self, x: Array) -> Array:
-        return x @ self.kernel + self.bias
+        return linear(x, self.kernel) + self.bias
 
     def project_back(self, y: Array) -> Array:
         """y (..., d) -> y W (..., C) with torch's W = weight (d, C) = kernel.T."""

@@ -5,7 +5,9 @@ g (tokens, out). XLA folds the transpose into the dot, and its CPU runtime runs 
 "transposed-lhs" product 15-25 % below a plain one (YNNPACK handles only plain products; the
 folded form goes to Eigen, and XLA transposes the *larger* operand for it, recomputing any
 dropout mask fused into it). Materialising the transpose of the *smaller* operand first and
-keeping XLA from folding it back (``optimization_barrier``) gives a plain product; at the paper
+keeping XLA from folding it back (``optimization_barrier``) gives a plain product. The operand
+is also materialised before it is transposed: otherwise XLA fuses its producer (a dropout mask's
+hash, for one) into the transposing loop, which computes it in transposed order. At the paper
 shapes (3136 tokens) the gradient of a 2048 -> 512 layer takes 33 ms instead of 40, a
 512 -> 512 one 8.9 instead of 10.1 (docs/performance.md "Weight gradients").
 
@@ -30,9 +32,10 @@ def _kernel_gradient_plain(x: Array, g: Array) -> Array:
     """x (T, I), g (T, O) -> (I, O), as one plain (untransposed) product on a materialised
     transpose of whichever of x and g is smaller."""
     barrier = jax.lax.optimization_barrier
+    transposed = lambda a: barrier(barrier(a).T)
     if x.shape[1] > g.shape[1]:  # g is smaller: (g^T x)^T
-        return barrier(jnp.dot(barrier(g.T), x)).T
-    return jnp.dot(barrier(x.T), g)
+        return barrier(jnp.dot(transposed(g), x)).T
+    return jnp.dot(transposed(x), g)
 
 
 def kernel_gradient(x: Array, g: Array) -> Array:
@@ -56,7 +59,9 @@ def _linear_forward(x: Array, kernel: Array) -> tuple[Array, tuple[Array, Array]
 
 def _linear_backward(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, kernel = residuals
-    return jnp.dot(g, kernel.T), kernel_gradient(x, g).astype(kernel.dtype)
+    # the casts matter for mixed operands (x in bfloat16, the kernel in float32): each
+    # cotangent has its primal's dtype
+    return jnp.dot(g, kernel.T).astype(x.dtype), kernel_gradient(x, g).astype(kernel.dtype)
 
 
 linear.defvjp(_linear_forward, _linear_backward)
