@@ -19,8 +19,6 @@ ratio of the medians, official / JAX, is above 1 when the JAX step is faster.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from changecap_jax.benchmark_alternating import alternate_with_jax_step
 from changecap_jax.data.streams import STREAM_KEYS
 from changecap_jax.errors import UserError
 from changecap_jax.reproduce import adapters
@@ -113,22 +112,8 @@ def compare(step: OfficialStep, setup: Any, steps: int) -> dict[str, Any]:
     import torch
 
     first = step()
-    state = setup.state
-
-    def jax_step() -> None:
-        nonlocal state
-        state, metrics = setup.compiled_step(state, setup.batches[0])
-        jax.block_until_ready(metrics)
-
-    jax_step()
-    jax_times, official_times = [], []
-    for _ in range(steps):
-        for fn, times in ((jax_step, jax_times), (step, official_times)):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    setup.state = state  # the old state was donated to the step
-    official_s, jax_s = statistics.median(official_times), statistics.median(jax_times)
+    jax_s, official_s = alternate_with_jax_step(setup, setup.batches[:1], lambda k: step(),
+                                                steps)
     return {"official_repo": str(step.root), "official_repository": step.adapter.repository,
             "official_yaml": step.yaml,
             "official_step_s": official_s, "official_jax_step_s": jax_s,

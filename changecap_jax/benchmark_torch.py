@@ -12,7 +12,6 @@ machine load. The ratio of the medians, torch / JAX, is above 1 when the JAX ste
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import flax.traverse_util
@@ -22,6 +21,7 @@ import ml_collections
 import numpy as np
 
 from changecap_jax import decoding, torch_reference, train
+from changecap_jax.benchmark_alternating import alternate_with_jax_step, timed
 from changecap_jax.convert import registry, tables
 from changecap_jax.data.streams import BEFORE, STREAMS
 from changecap_jax.torch_reference import TorchReferenceError
@@ -82,12 +82,6 @@ def prepare(config: ml_collections.ConfigDict, setup: Any, threads: int = 0) -> 
     return step
 
 
-def _timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def compare(step: Any, setup: Any, config: ml_collections.ConfigDict, steps: int,
             steps_per_epoch: int) -> dict[str, Any]:
     """One untimed step each, then ``steps`` alternating timed rounds (JAX step, torch step)
@@ -97,21 +91,9 @@ def compare(step: Any, setup: Any, config: ml_collections.ConfigDict, steps: int
     rates = [float(schedule(k)) for k in range(steps + 1)]
     batches = [step.batch(jax.device_get(b)) for b in setup.batches]
     torch_first = step(batches[0], rates[0])
-    state = setup.state
-
-    def jax_step(batch: Any) -> None:
-        nonlocal state
-        state, metrics = setup.compiled_step(state, batch)
-        jax.block_until_ready(metrics)
-
-    jax_step(setup.batches[0])
-    jax_times, torch_times = [], []
-    for k in range(steps):
-        i = (k + 1) % len(batches)
-        jax_times.append(_timed(lambda i=i: jax_step(setup.batches[i])))
-        torch_times.append(_timed(lambda i=i, k=k: step(batches[i], rates[k + 1])))
-    setup.state = state  # the old state was donated to the step
-    torch_s, jax_s = statistics.median(torch_times), statistics.median(jax_times)
+    jax_s, torch_s = alternate_with_jax_step(
+        setup, setup.batches, lambda k: step(batches[(k + 1) % len(batches)], rates[k + 1]),
+        steps)
     return {"torch_step_s": torch_s, "torch_jax_step_s": jax_s, "torch_over_jax": torch_s / jax_s,
             "torch_threads": step.threads, "torch_device": step.device.type,
             "torch_loss_first_step": torch_first, "torch_steps": steps}
@@ -143,8 +125,8 @@ def compare_decode(step: Any, setup: Any, rounds: int) -> dict[str, Any]:
     theirs_ids, theirs_log_probs = torch_decode()
     jax_times, torch_times = [], []
     for _ in range(rounds):
-        jax_times.append(_timed(jax_decode))
-        torch_times.append(_timed(torch_decode))
+        jax_times.append(timed(jax_decode))
+        torch_times.append(timed(torch_decode))
     same = np.all(np.asarray(ours.ids) == theirs_ids, axis=1)
     torch_s, jax_s = statistics.median(torch_times), statistics.median(jax_times)
     return {"torch_decode_s": torch_s, "torch_decode_jax_s": jax_s,
