@@ -79,3 +79,31 @@ def test_cpu_kernel_gradient_is_a_plain_product(fan_in, fan_out):
     assert re.search(rf"= f32\[{smaller},100\]\{{1,0\}} (fusion|transpose|copy)", hlo), hlo
     grad_dots = _dots(jax.grad(lambda x, k: jnp.sum(jnp.sin(linear(x, k))), argnums=1), x, kernel)
     assert grad_dots and not any(_transposed_lhs(d) for d in grad_dots), grad_dots
+
+
+def test_gradients_nothing_asks_for_are_not_traced():
+    """The input features of a model's first layer are not differentiated: their gradient
+    product must not be in the step's jaxpr (the benchmark counts FLOPs from it)."""
+    from changecap_jax.flop_count import dot_flops
+
+    x, kernel = _inputs(50, 96, 32)
+    product = 2 * 100 * 96 * 32
+    loss = lambda x, kernel: jnp.sum(jnp.sin(linear(x, kernel)))
+    assert dot_flops(jax.grad(loss, argnums=1), x, kernel).flops == 2 * product
+    assert dot_flops(jax.grad(loss, argnums=0), x, kernel).flops == 2 * product
+    assert dot_flops(jax.grad(loss, argnums=(0, 1)), x, kernel).flops == 3 * product
+    # an output that does not reach the loss: no backward product at all
+    unused = lambda x, kernel: jnp.sum(kernel) + 0.0 * jnp.sum(jax.lax.stop_gradient(
+        linear(x, kernel)))
+    assert dot_flops(jax.grad(unused, argnums=(0, 1)), x, kernel).flops == product
+
+
+def test_a_symbolically_zero_cotangent_gives_no_gradients():
+    # with symbolic_zeros=True, JAX may hand the backward a SymbolicZero instead of an array
+    from jax.custom_derivatives import SymbolicZero
+
+    from changecap_jax.models import linear as linear_module
+
+    x, kernel = _inputs(5, 8, 4)
+    zero = SymbolicZero(jax.core.ShapedArray((2, 5, 4), jnp.float32))
+    assert linear_module._linear_backward((x, kernel, True, True), zero) == (None, None)

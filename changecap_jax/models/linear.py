@@ -18,8 +18,11 @@ operands natively, and there the barrier would only stop fusion.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 Array = jax.Array
 
@@ -53,15 +56,23 @@ def linear(x: Array, kernel: Array) -> Array:
     return jnp.dot(x, kernel)
 
 
-def _linear_forward(x: Array, kernel: Array) -> tuple[Array, tuple[Array, Array]]:
-    return jnp.dot(x, kernel), (x, kernel)
+def _linear_forward(x: CustomVJPPrimal, kernel: CustomVJPPrimal) -> tuple[Array, Any]:
+    # x.perturbed is False for inputs nothing differentiates (image features), kernel.perturbed
+    # for frozen kernels: their gradients are then not traced at all (XLA would drop them, but
+    # the benchmark's jaxpr FLOP count would not)
+    return jnp.dot(x.value, kernel.value), (x.value, kernel.value, x.perturbed, kernel.perturbed)
 
 
-def _linear_backward(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, kernel = residuals
+def _linear_backward(residuals: tuple[Array, Array, bool, bool],
+                     g: Array | SymbolicZero) -> tuple[Array | None, Array | None]:
+    x, kernel, x_needs_gradient, kernel_needs_gradient = residuals
+    if isinstance(g, SymbolicZero):  # the output does not reach the loss
+        return None, None
     # the casts matter for mixed operands (x in bfloat16, the kernel in float32): each
     # cotangent has its primal's dtype
-    return jnp.dot(g, kernel.T).astype(x.dtype), kernel_gradient(x, g).astype(kernel.dtype)
+    dx = jnp.dot(g, kernel.T).astype(x.dtype) if x_needs_gradient else None
+    dk = kernel_gradient(x, g).astype(kernel.dtype) if kernel_needs_gradient else None
+    return dx, dk
 
 
-linear.defvjp(_linear_forward, _linear_backward)
+linear.defvjp(_linear_forward, _linear_backward, symbolic_zeros=True)
