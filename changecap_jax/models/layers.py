@@ -226,20 +226,14 @@ class MultiheadAttention(nn.Module):
     def _split(self, x: Array) -> Array:
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
 
-    def _query(self, x: Array) -> Array:
+    def project_query(self, x: Array) -> Array:
+        """The scaled per-head query of ``x`` (B, L, E) -> (B, L, H, E/H), for ``query=``."""
         # torch: q = (x W_q^T + b_q) * head_dim**-0.5, the scale applied after the bias.
         return self._split(self.q_proj(x)) * (1.0 / math.sqrt(self.head_dim))
 
-    def _key_value(self, x: Array) -> tuple[Array, Array]:
-        return self._split(self.k_proj(x)), self._split(self.v_proj(x))
-
-    def project_query(self, x: Array) -> Array:
-        """The scaled per-head query of ``x`` (B, L, E) -> (B, L, H, E/H), for ``query=``."""
-        return self._query(x)
-
     def project_key_value(self, x: Array) -> tuple[Array, Array]:
         """The per-head keys and values of ``x``, for ``key_value=``."""
-        return self._key_value(x)
+        return self._split(self.k_proj(x)), self._split(self.v_proj(x))
 
     def _attend(
         self, q: Array, k: Array, v: Array, mask: Array | None, deterministic: bool,
@@ -273,8 +267,8 @@ class MultiheadAttention(nn.Module):
         ``inputs_q`` / ``inputs_kv`` (:meth:`project_query`, :meth:`project_key_value`), when
         the caller already made them for an input it attends with more than once.
         """
-        k, v = self._key_value(inputs_kv) if key_value is None else key_value
-        q = self._query(inputs_q) if query is None else query
+        k, v = self.project_key_value(inputs_kv) if key_value is None else key_value
+        q = self.project_query(inputs_q) if query is None else query
         return self._attend(q, k, v, mask, deterministic)
 
     # ---- incremental decoding -------------------------------------------------------------
@@ -286,13 +280,13 @@ class MultiheadAttention(nn.Module):
         self.put_variable("cache", "cached_value", jnp.zeros(shape, jnp.float32))
 
     def init_cross_cache(self, memory: Array) -> None:
-        k, v = self._key_value(memory)
+        k, v = self.project_key_value(memory)
         self.put_variable("cache", "memory_key", heads_first(k))
         self.put_variable("cache", "memory_value", heads_first(v))
 
     def step_self(self, inputs_q: Array, index: Array, *, deterministic: bool = True) -> Array:
         """Self-attention of the token at position ``index`` (B, 1, E) over positions 0..index."""
-        k_new, v_new = self._key_value(inputs_q)
+        k_new, v_new = self.project_key_value(inputs_q)
         cached_k = self.get_variable("cache", "cached_key")
         cached_v = self.get_variable("cache", "cached_value")
         start = (0, 0, 0, index)
@@ -304,14 +298,14 @@ class MultiheadAttention(nn.Module):
         self.put_variable("cache", "cached_value", values)
         # Causal mask of the full-recompute decoder, row `index`: keys 0..index are visible.
         mask = (jnp.arange(keys.shape[-1]) <= index)[None, None, None, :]
-        return self._attend(self._query(inputs_q), keys, values, mask, deterministic,
+        return self._attend(self.project_query(inputs_q), keys, values, mask, deterministic,
                             kv_layout=HEADS_FIRST)
 
     def step_cross(self, inputs_q: Array, *, deterministic: bool = True) -> Array:
         """Cross-attention of (B, 1, E) queries to the memory stored by :meth:`init_cross_cache`."""
         keys = self.get_variable("cache", "memory_key")
         values = self.get_variable("cache", "memory_value")
-        return self._attend(self._query(inputs_q), keys, values, None, deterministic,
+        return self._attend(self.project_query(inputs_q), keys, values, None, deterministic,
                             kv_layout=HEADS_FIRST)
 
 

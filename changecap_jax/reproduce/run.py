@@ -265,7 +265,6 @@ def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options:
 
 def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
     """One iteration of the official loop body; returns its losses, norm and lr."""
-
     optimizer, cfg = side.optimizer, side.cfg
     optimizer.zero_grad()
     losses = side.adapter.losses(side.model, batch)
