@@ -2,14 +2,15 @@
 
 The kernel gradient of a dense layer is ``x^T g`` summed over every token: x (tokens, in),
 g (tokens, out). XLA folds the transpose into the dot, and its CPU runtime runs that
-"transposed-lhs" product 15-25 % below a plain one (YNNPACK handles only plain products; the
-folded form goes to Eigen, and XLA transposes the *larger* operand for it, recomputing any
-dropout mask fused into it). Materialising the transpose of the *smaller* operand first and
-keeping XLA from folding it back (``optimization_barrier``) gives a plain product. The operand
-is also materialised before it is transposed: otherwise XLA fuses its producer (a dropout mask's
-hash, for one) into the transposing loop, which computes it in transposed order. At the paper
-shapes (3136 tokens) the gradient of a 2048 -> 512 layer takes 33 ms instead of 40, a
-512 -> 512 one 8.9 instead of 10.1 (docs/performance.md "Weight gradients").
+"transposed-lhs" product 15-25 % below a plain one (in the compiled steps XLA gave the folded
+form to Eigen, the plain products to YNNPACK, and transposed the *larger* operand for it,
+recomputing any dropout mask fused into it). Materialising the transpose of the *smaller*
+operand first and keeping XLA from folding it back (``optimization_barrier``) gives a plain
+product. The operand is also materialised before it is transposed: otherwise XLA fuses its
+producer (a dropout mask's hash, for one) into the transposing loop, which computes it in
+transposed order. At the paper shapes (3136 tokens) the gradient of a 2048 -> 512 layer takes
+33 ms instead of 40, a 512 -> 512 one 8.9 instead of 10.1 (docs/performance.md "Weight
+gradients").
 
 The values are the same products summed in another order (float32 rounding differs). Only the
 CPU lowering changes (``jax.lax.platform_dependent``): GPU and TPU libraries read transposed
