@@ -81,6 +81,17 @@ def test_cpu_kernel_gradient_is_a_plain_product(fan_in, fan_out):
     assert grad_dots and not any(_transposed_lhs(d) for d in grad_dots), grad_dots
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU lowering")
+def test_cpu_cotangent_is_computed_once_not_again_in_the_transpose():
+    """The cotangent here is an element-wise expression (cos of the output). Transposed
+    directly, XLA fuses that expression into the transposing loop and computes it twice (there
+    and for the input gradient); transposed inside the conditional, it is computed once."""
+    x, kernel = _inputs(50, 96, 32)  # the cotangent (32 wide) is the operand transposed
+    loss = lambda x, kernel: jnp.sum(jnp.sin(linear(x, kernel)))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, kernel).compile().as_text()
+    assert len(re.findall(r"= f32\[[\d,]*\]\{[\d,]*\} cosine\(", hlo)) == 1, hlo
+
+
 def test_gradients_nothing_asks_for_are_not_traced():
     """The input features of a model's first layer are not differentiated: their gradient
     product must not be in the step's jaxpr (the benchmark counts FLOPs from it)."""
