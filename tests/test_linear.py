@@ -92,6 +92,15 @@ def test_cpu_cotangent_is_computed_once_not_again_in_the_transpose():
     assert len(re.findall(r"= f32\[[\d,]*\]\{[\d,]*\} cosine\(", hlo)) == 1, hlo
 
 
+def test_no_tokens_give_zero_gradients():
+    x = jnp.zeros((2, 0, 4))
+    kernel = jnp.ones((4, 3))
+    dx, dk = jax.jit(jax.grad(lambda x, k: jnp.sum(jnp.sin(linear(x, k))), argnums=(0, 1)))(
+        x, kernel)
+    assert dx.shape == x.shape
+    np.testing.assert_array_equal(dk, np.zeros((4, 3), np.float32))
+
+
 def test_gradients_nothing_asks_for_are_not_traced():
     """The input features of a model's first layer are not differentiated: their gradient
     product must not be in the step's jaxpr (the benchmark counts FLOPs from it)."""

@@ -41,8 +41,9 @@ def _kernel_gradient_plain(x: Array, g: Array) -> Array:
     """x (T, I), g (T, O) -> (I, O), as one plain (untransposed) product on a materialised
     transpose of whichever of x and g is smaller."""
     barrier = jax.lax.optimization_barrier
-    # False only where x[0, 0] is NaN: known at run time only, and both branches agree
-    runtime_predicate = x[0, 0] == x[0, 0]
+    # False only where x's first element is NaN: known at run time only, and both branches
+    # agree (the slices keep it defined for no tokens)
+    runtime_predicate = jnp.all(x[:1, :1] == x[:1, :1])
     transposed = lambda a: barrier(
         jax.lax.cond(runtime_predicate, jnp.transpose, jnp.transpose, a))
     if x.shape[1] > g.shape[1]:  # g is smaller: (g^T x)^T
