@@ -76,6 +76,7 @@ from changecap_jax import (
     train,
 )
 from changecap_jax import synthetic_inputs as si
+from changecap_jax.benchmark_alternating import timed
 from changecap_jax.data import pipeline
 from changecap_jax.errors import UserError
 from changecap_jax.jsonio import write_json_atomic
@@ -203,9 +204,7 @@ def matmul_timer(n: int) -> tuple[Callable[[], float], float]:
     jax.block_until_ready(matmul(a, b))
 
     def one() -> float:
-        t = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        return time.perf_counter() - t
+        return timed(lambda: jax.block_until_ready(matmul(a, b)))
 
     def measure() -> float:
         one()
@@ -277,11 +276,9 @@ def time_decode(setup: Setup, batches: int, compute_dtype: Any = jnp.float32) ->
                                              compute_dtype)
 
     def once() -> float:
-        t = time.perf_counter()
-        jax.block_until_ready(decoding.greedy_decode(
+        return timed(lambda: jax.block_until_ready(decoding.greedy_decode(
             setup.model, {"params": params}, inputs["before"], inputs["after"],
-            max_len=setup.max_len, conditioning=inputs["conditioning"]).ids)
-        return time.perf_counter() - t
+            max_len=setup.max_len, conditioning=inputs["conditioning"]).ids))
 
     compile_s = once()
     return {"decode_compile_s": compile_s,
