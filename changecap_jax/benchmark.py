@@ -19,7 +19,9 @@ Prints, in this order (the first six lines as before):
 
 * devices, batch and eval batch;
 * train-step compile time (trace/lower + XLA compile; with a warm persistent compilation cache
-  the XLA part is a load from disk, ``changecap_jax/compile_cache.py``), then the median step
+  the XLA part is a load from disk, ``changecap_jax/compile_cache.py``, and the detail line
+  says which it was: on the CPU a step compiled in the process runs a few percent slower than
+  a loaded one, docs/performance.md), then the median step
   time and examples/s after compilation;
 * the median greedy decode time per eval batch, after its compile;
 * peak memory (device memory stats where the backend has them, else the process's peak RSS);
@@ -220,7 +222,8 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     traced = setup.train_step.trace(setup.state, setup.batches[0])
     lowered = traced.lower()
     lower_s = time.perf_counter() - t0
-    compiled = lowered.compile()  # a persistent-cache hit loads the executable instead
+    with compile_cache.count_lookups() as cache:
+        compiled = lowered.compile()  # a persistent-cache hit loads the executable instead
     compile_s = time.perf_counter() - t0
     # From the same trace: XLA's count takes each loop body once (changecap_jax/flop_count.py).
     dots = flop_count.jaxpr_dot_flops(traced.jaxpr)
@@ -246,7 +249,7 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
     cost = xla_cost(compiled)
     flop_per_s = cost["flops"] / step_s if cost["flops"] is not None else None
     out = {"compile_s": compile_s, "lower_s": lower_s, "step_s": step_s, "steps": steps,
-           "loss_first_step": loss_first_step, **cost,
+           "step_loaded_from_cache": cache.loaded, "loss_first_step": loss_first_step, **cost,
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
            "page_faults_per_step": statistics.median(faults),
            "kernel_cpu_s_per_step": statistics.median(kernel_s),
@@ -417,9 +420,18 @@ def _dot_line(r: dict[str, Any]) -> str:
     return line
 
 
+def _cache_note(loaded: bool | None) -> str:
+    # A step compiled in this process runs a few percent slower on the CPU than one loaded
+    # from the cache (docs/performance.md, "Compiled here or loaded").
+    if loaded is None:
+        return ""
+    return (" (loaded from the persistent compilation cache)" if loaded
+            else " (compiled in this process: not in the persistent compilation cache)")
+
+
 def _detail_lines(r: dict[str, Any]) -> list[str]:
     lines = [f"train step compile = trace and lower {r['lower_s']:.2f} s + XLA compile "
-             f"{r['compile_s'] - r['lower_s']:.2f} s"]
+             f"{r['compile_s'] - r['lower_s']:.2f} s{_cache_note(r['step_loaded_from_cache'])}"]
     if r["input_shapes"]:
         s = r["input_shapes"]
         lines.append(f"inputs: synthetic (grid {tuple(s['feature_shape'])}, vocab "

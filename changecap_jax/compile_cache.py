@@ -18,8 +18,11 @@ The cache is trusted code: do not point it at a folder that others can write to.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV_DIR = "CHANGECAP_CACHE_DIR"
@@ -30,6 +33,10 @@ OFF_VALUES = ("0", "false", "off", "no")
 # with JAX's default of 1 s whether the ~1 s greedy-decode compile was kept depended on the
 # machine's load (2 or 3 entries), and a kept one saved 0.5 s at every start.
 MIN_COMPILE_SECONDS = 0.0
+# The events JAX records (jax.monitoring) when a compile looks in the persistent cache, and when
+# it finds its executable there. (JAX's "cache_misses" event means "written", not "not found".)
+LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 def is_disabled() -> bool:
@@ -71,3 +78,46 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+@dataclasses.dataclass
+class Lookups:
+    """Persistent-cache lookups of the compiles inside a :func:`count_lookups` block."""
+
+    enabled: bool  # whether JAX had a cache folder when the block began
+    lookups: int = 0
+    hits: int = 0
+
+    @property
+    def loaded(self) -> bool | None:
+        """True: every lookup found its executable on disk; False: at least one program was
+        compiled; None: the cache is off, or nothing was compiled."""
+        if not (self.enabled and self.lookups):
+            return None
+        return self.hits == self.lookups
+
+
+@contextlib.contextmanager
+def count_lookups() -> Iterator[Lookups]:
+    """Counts the persistent-cache lookups and hits of the compiles run inside the block.
+
+    Whether a program was compiled in this process matters for CPU timings: a process that
+    compiled its train step runs it a few percent slower than one that loaded it from the
+    cache (docs/performance.md, "Compiled here or loaded")."""
+    import jax
+    import jax.monitoring
+
+    # Without a folder JAX still makes its lookup (it finds nothing): not a compile to count.
+    counts = Lookups(enabled=bool(jax.config.jax_compilation_cache_dir))
+
+    def listener(event: str, **_: object) -> None:
+        if event == LOOKUP_EVENT:
+            counts.lookups += 1
+        elif event == HIT_EVENT:
+            counts.hits += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(listener)

@@ -90,6 +90,7 @@ def test_command_writes_every_result_to_json(tmp_path):
                 "peak_memory_bytes", "input_shapes", "compilation_cache",
                 "page_faults_per_step", "kernel_cpu_s_per_step"):
         assert key in results, key
+    assert results["step_loaded_from_cache"] is None  # the cache is off in this run
     # Every command keeps freed host memory where glibc runs it (changecap_jax/host_memory.py).
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert results["host_memory_kept"] is glibc

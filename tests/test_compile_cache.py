@@ -76,3 +76,32 @@ def test_switch_values(monkeypatch):
     for value, off in [("0", True), ("off", True), ("False", True), ("1", False), ("", False)]:
         monkeypatch.setenv(compile_cache.ENV_SWITCH, value)
         assert compile_cache.is_disabled() is off, value
+
+
+def test_count_lookups_tells_a_compile_from_a_load():
+    """In this process's private cache (tests/conftest.py): a new program is compiled and
+    written, the same program lowered again is loaded; a block without compiles saw nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((3, 5))
+
+    def lower() -> jax.stages.Lowered:
+        # A constant no other test uses, so the program is new to the cache.
+        return jax.jit(lambda x: jnp.sin(x) * 1.2345678).lower(x)
+
+    with compile_cache.count_lookups() as first:
+        lower().compile()
+    jax.clear_caches()  # else the second compile is served from memory, without a lookup
+    with compile_cache.count_lookups() as second:
+        lower().compile()
+    jax.clear_caches()
+    with compile_cache.count_lookups() as both:  # one program loaded, one compiled
+        lower().compile()
+        jax.jit(lambda x: jnp.cos(x) * 1.2345678).lower(x).compile()
+    with compile_cache.count_lookups() as nothing:
+        pass
+    assert (first.lookups, first.hits, first.loaded) == (1, 0, False)
+    assert (second.lookups, second.hits, second.loaded) == (1, 1, True)
+    assert (both.lookups, both.hits, both.loaded) == (2, 1, False)
+    assert nothing.loaded is None
