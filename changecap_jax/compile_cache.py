@@ -104,8 +104,7 @@ def count_lookups() -> Iterator[Lookups]:
     Whether a program was compiled in this process matters for CPU timings: a process that
     compiled its train step runs it a few percent slower than one that loaded it from the
     cache (docs/performance.md, "Compiled here or loaded")."""
-    import jax
-    import jax.monitoring
+    import jax.monitoring  # binds jax too
 
     # Without a folder JAX still makes its lookup (it finds nothing): not a compile to count.
     counts = Lookups(enabled=bool(jax.config.jax_compilation_cache_dir))
