@@ -171,3 +171,9 @@ print(json.dumps({"passes": len(passes)}))
 def test_a_compile_sets_the_free_chunks_aside(threshold, sets_aside):
     out = run_program(COMPILE_PROGRAM.replace("sys.argv[1]", repr(str(threshold))))
     assert (out["passes"] > 0) == sets_aside, out
+
+
+def test_a_failing_pass_does_not_fail_the_compile():
+    out = run_program(COMPILE_PROGRAM.replace("sys.argv[1]", "'0'").replace(
+        "lambda: passes.append(1) or original()", "lambda: passes.append(1) or 1 / 0"))
+    assert out["passes"] > 0
