@@ -55,13 +55,20 @@ print(json.dumps({{"kept": kept, "faults": faults[1:3], "after_release": faults[
 """
 
 
-def run(**env: str) -> dict:
+def run_program(program: str, *args: str, **env: str) -> dict:
+    """Runs ``program`` in a new process on the CPU (the settings are process-wide) with the
+    host-memory switch unset unless ``env`` sets it; returns its last line, parsed as JSON."""
     environ = {k: v for k, v in os.environ.items()
                if k not in (host_memory.ENV_SWITCH, "JAX_PLATFORMS")}
-    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
-                          env={**environ, "JAX_PLATFORMS": "cpu", **env}, timeout=120,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", program, *args], capture_output=True,
+                          text=True, env={**environ, "JAX_PLATFORMS": "cpu", **env},
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(**env: str) -> dict:
+    return run_program(PROGRAM, **env)
 
 
 def test_freed_block_is_reused_without_page_faults():
@@ -127,15 +134,6 @@ print(json.dumps({"before": before, "after": after, "taken": taken, "big": [big_
 """
 
 
-def run_program(program: str) -> dict:
-    environ = {k: v for k, v in os.environ.items()
-               if k not in (host_memory.ENV_SWITCH, "JAX_PLATFORMS")}
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          env={**environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_free_chunks_a_compile_leaves_are_set_aside_and_their_memory_released():
     out = run_program(SET_ASIDE_PROGRAM)
     small = lambda bins: sum(count for low, high, count in bins
@@ -150,8 +148,8 @@ def test_free_chunks_a_compile_leaves_are_set_aside_and_their_memory_released():
     assert out["released"] > 0.7 * out["freed"], out
 
 
-# With the setting in effect, a compile of at least SET_ASIDE_AFTER_COMPILE_S sets the free
-# chunks aside; a shorter one does not.
+# With the setting in effect, a compile of at least SET_ASIDE_AFTER_COMPILE_S (argv[1]) sets the
+# free chunks aside; a shorter one does not. With argv[2] "fail" the pass raises.
 COMPILE_PROGRAM = """
 import json, sys
 from changecap_jax import host_memory
@@ -159,9 +157,10 @@ import jax, jax.numpy as jnp
 
 assert host_memory.keep_freed_memory()
 host_memory.SET_ASIDE_AFTER_COMPILE_S = float(sys.argv[1])
+fail = sys.argv[2] == "fail"
 passes = []
 original = host_memory.set_aside_free_chunks
-host_memory.set_aside_free_chunks = lambda: passes.append(1) or original()
+host_memory.set_aside_free_chunks = lambda: passes.append(1) or (1 / 0 if fail else original())
 jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile()
 print(json.dumps({"passes": len(passes)}))
 """
@@ -169,11 +168,10 @@ print(json.dumps({"passes": len(passes)}))
 
 @pytest.mark.parametrize("threshold, sets_aside", [(0.0, True), (1e9, False)])
 def test_a_compile_sets_the_free_chunks_aside(threshold, sets_aside):
-    out = run_program(COMPILE_PROGRAM.replace("sys.argv[1]", repr(str(threshold))))
+    out = run_program(COMPILE_PROGRAM, str(threshold), "pass")
     assert (out["passes"] > 0) == sets_aside, out
 
 
 def test_a_failing_pass_does_not_fail_the_compile():
-    out = run_program(COMPILE_PROGRAM.replace("sys.argv[1]", "'0'").replace(
-        "lambda: passes.append(1) or original()", "lambda: passes.append(1) or 1 / 0"))
+    out = run_program(COMPILE_PROGRAM, "0", "fail")
     assert out["passes"] > 0
