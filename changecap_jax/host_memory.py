@@ -99,8 +99,6 @@ def cpu_only() -> bool:
 
 
 _libc: ctypes.CDLL | None = None
-# The addresses of the blocks set_aside_free_chunks took out of use (arrays); never freed.
-_set_aside: list[ctypes.Array] = []
 _set_aside_lock = threading.Lock()
 _listening = False
 
@@ -205,9 +203,7 @@ def set_aside_free_chunks() -> int:
                       if high <= SET_ASIDE_MAX_BYTES]
             if not wanted:
                 break
-            blocks = (ctypes.c_void_p * sum(count for _, count in wanted))()
-            _set_aside.append(blocks)
-            index = 0
+            # The blocks are never freed, so their addresses are not kept.
             for chunk_size, count in wanted:  # the smallest first
                 request = chunk_size - ctypes.sizeof(ctypes.c_size_t)  # the chunk's header
                 for _ in range(count):
@@ -220,8 +216,6 @@ def set_aside_free_chunks() -> int:
                         _libc.free(block)
                         break
                     _give_pages_back(block, request)
-                    blocks[index] = block
-                    index += 1
                     taken += 1
                     taken_bytes += chunk_size
     if taken:
