@@ -56,13 +56,14 @@ class CheckpointError(UserError, RuntimeError):
 
 
 def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
-                            item_names: tuple[str, ...] = ("state", "data"),
-                            ) -> ocp.CheckpointManager:
+                            item_names: tuple[str, ...] = ("state", "data"), *,
+                            writer: bool = False) -> ocp.CheckpointManager:
     """orbax manager of (train state, data iterator state) items.
 
     Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
     every save is atomic (written to a temporary directory, renamed when complete) and
-    multi-host safe.
+    multi-host safe. A ``writer`` (the run that owns the workdir: ``workdir_lock``) removes
+    the temporary directories of saves that a killed run left unfinished.
     """
     cm = checkpoint_managers
     policy = cm.AnyPreservationPolicy([
@@ -72,7 +73,8 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
                  keep_checkpoints_without_metrics=False),
     ])
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=True)
+        preservation_policy=policy, enable_async_checkpointing=False, create=True,
+        cleanup_tmp_directories=writer)
     return ocp.CheckpointManager(Path(directory).absolute(), options=options,
                                  item_names=item_names)
 
@@ -287,9 +289,9 @@ def _restore_item(workdir: str | os.PathLike, state_args: Any,
         order, step = best_first_steps(workdir), None
     else:
         order = None
-    manager = make_checkpoint_manager(directory, 1)
-    restored_step, restored = restore(manager, lambda s, items: {"state": state_args},
-                                      step=step, order=order)
+    with make_checkpoint_manager(directory, 1) as manager:
+        restored_step, restored = restore(manager, lambda s, items: {"state": state_args},
+                                          step=step, order=order)
     logging.info("restored checkpoint of step %d from %s", restored_step, directory)
     return restored_step, restored["state"]
 

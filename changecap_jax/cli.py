@@ -11,6 +11,9 @@ ends the command with ``error: <message>`` on one line of stderr and exit status
   kin: their message names the path);
 * ``sys.exit("error: ...")``: a message the command already made for the user.
 
+A diverged training run (:class:`~changecap_jax.errors.TrainingDivergedError`: a non-finite
+update, stopped before it was saved) also ends on one ``error:`` line, with exit status 3.
+
 ``--verbose`` (or ``--debug``) prints the traceback before that line. Any other exception is
 a bug and keeps Python's traceback (exit status 1).
 """
@@ -27,9 +30,9 @@ from typing import Any, NoReturn
 from absl import app, flags
 
 from changecap_jax import console, host_memory
-from changecap_jax.errors import UserError
+from changecap_jax.errors import TrainingDivergedError, UserError
 
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = UserError.exit_status
 
 flags.DEFINE_bool("verbose", False, "On a user error (bad flag, missing file, ...), print its "
                   "traceback before the one-line message; also log the whole config and the "
@@ -55,6 +58,13 @@ class UsageError(UserError):
 def is_user_error(error: BaseException) -> bool:
     """Whether ``error`` is the user's to fix (module docstring), not a bug."""
     return isinstance(error, (UserError, *FOREIGN_USER_ERRORS))
+
+
+def exit_status(error: BaseException) -> int | None:
+    """The exit status of an error that ends a command on one line, else None (a bug)."""
+    if isinstance(error, TrainingDivergedError):
+        return TrainingDivergedError.exit_status
+    return EXIT_USER_ERROR if is_user_error(error) else None
 
 
 def one_line(text: str) -> str:
@@ -184,10 +194,11 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
         print(one_line(e.code), file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except Exception as e:
-        if not is_user_error(e):
+        status = exit_status(e)
+        if status is None:
             raise
         if _verbose(argv):
             traceback.print_exc()
         print(f"error: {describe(e)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(status)
     sys.exit(0)  # app.run always exits; this keeps NoReturn honest

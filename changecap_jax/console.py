@@ -1,14 +1,22 @@
-"""What the commands print while they run: log lines and tqdm progress bars share stderr.
+"""What the commands print while they run: one policy for every ``python -m`` command.
 
-A tqdm bar keeps its line open (no newline) and redraws it with ``\\r``; a log line written
-meanwhile would be glued to the end of the bar. :func:`install_bar_safe_logging` makes the
-console handlers clear the open bars, write, and redraw them (``tqdm.write``'s way).
+* Log lines: the project's INFO lines; the libraries' INFO chatter (JAX, orbax, TFDS, grain,
+  the host allocator setting) only with ``--verbose``; everyone's warnings always.
+* Progress: :class:`Progress` (a tqdm bar) on a terminal. When stderr is not a terminal (a log
+  file, a job scheduler), a bar's redraws would leave ``\\r``-joined fragments glued to the
+  log lines, so the same object writes a plain log line instead, at most every
+  ``LOG_PROGRESS_EVERY_S`` seconds and once at the end.
+
+On a terminal a bar keeps its line open (no newline) and redraws it with ``\\r``; a log line
+written meanwhile would be glued to the end of the bar. :func:`install_bar_safe_logging` makes
+the console handlers clear the open bars, write, and redraw them (``tqdm.write``'s way).
 :class:`StepBar` is the training loops' bar, its ETA not fooled by their stalls.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -19,6 +27,49 @@ from tqdm import tqdm
 # Loggers whose INFO lines are for their own developers, e.g. JAX's "Unable to initialize
 # backend 'tpu'" on every machine without a TPU; their warnings still show.
 QUIET_LIBRARIES = ("jax",)
+# Sources whose INFO lines are chatter: libraries that log through absl (one logger for all,
+# so told apart by the file that logged) and host_memory's allocator setting.
+QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/",
+                 "/changecap_jax/host_memory.py")
+LOG_PROGRESS_EVERY_S = 30.0  # off a terminal: the least time between two progress lines
+
+
+def is_terminal() -> bool:
+    """Whether stderr (where bars and logs go) is a terminal."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+class _ProgressLog:
+    """tqdm's output file off a terminal: each redraw becomes one INFO log line."""
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            logging.getLogger("changecap_jax.progress").info("%s", text)
+
+    def flush(self) -> None:
+        pass
+
+
+class Progress(tqdm):
+    """A progress bar on a terminal, periodic log lines otherwise (module docstring). Takes
+    tqdm's arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if not is_terminal() and "file" not in kwargs:
+            kwargs.update(file=_ProgressLog(), dynamic_ncols=False, ncols=None,
+                          mininterval=max(kwargs.get("mininterval", 0), LOG_PROGRESS_EVERY_S),
+                          bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}<{remaining}, "
+                                     "{rate_fmt}{postfix}]")
+        super().__init__(*args, **kwargs)
+
+
+def _quiet_library_info(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or not any(
+        source in record.pathname.replace(os.sep, "/") for source in QUIET_SOURCES)
 
 
 class BarSafeHandler(logging.Handler):
@@ -57,7 +108,7 @@ def install_bar_safe_logging(logger: logging.Logger | None = None) -> None:
     logger.handlers = [BarSafeHandler(h) if _is_console(h) else h for h in logger.handlers]
 
 
-class StepBar(tqdm):
+class StepBar(Progress):
     """The progress bar of a training loop: its rate and ETA are the run's average step time,
     leaving out the time from :meth:`pause` to :meth:`unpause` (compiles, evaluations); the
     elapsed time stays the wall clock's. The bar starts paused: unpause it after the first
@@ -104,3 +155,6 @@ def setup(verbose: bool = False) -> None:
     if not verbose:
         for name in QUIET_LIBRARIES:
             logging.getLogger(name).setLevel(logging.WARNING)
+        for handler in logging.getLogger().handlers:  # absl's and any other console's
+            if _quiet_library_info not in handler.filters:
+                handler.addFilter(_quiet_library_info)

@@ -56,7 +56,7 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
     """
     mesh = mesh if mesh is not None else parallel.make_mesh()
     parallel.check_global_batch(config.batch_size, mesh)
-    parallel.check_global_batch(config.eval_batch_size, mesh)
+    parallel.check_global_batch(config.eval_batch_size, mesh, "eval_batch_size")
     ds = config.dataset
     dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
                                build_if_missing=ds.build_if_missing)

@@ -43,7 +43,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import checkpoints, cli, compile_cache, experiment, models
+from changecap_jax import checkpoints, cli, compile_cache, experiment, models, workdir_lock
 from changecap_jax.data import schema, streams
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
@@ -95,6 +95,10 @@ def _check_trained_workdir(workdir: Path) -> None:
     if not directory.is_dir() or not any(directory.iterdir()):
         raise ExportError(f"{workdir} holds no checkpoint ({directory} is missing or empty): "
                           "nothing was trained there")
+    holder = workdir_lock.live_holder(workdir)
+    if holder is not None:
+        raise ExportError(f"workdir {workdir} is still being written by its run "
+                          f"({holder.describe()}); export it when that run has ended")
 
 
 def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:

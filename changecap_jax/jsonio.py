@@ -14,6 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from changecap_jax.errors import UserError
+
+
+class UnreadableJSONError(UserError, ValueError):
+    """A JSON file the project reads (a run's config.json, metrics, captions) that does not
+    parse: the message names the file and where the parse failed."""
+
 
 def current_umask() -> int:
     """The process's umask (read by setting it and restoring it at once)."""
@@ -67,4 +74,4 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what} {path} is not valid JSON: {e}") from e
+        raise UnreadableJSONError(f"{what} {path} is not valid JSON: {e}") from e

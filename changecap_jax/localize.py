@@ -21,9 +21,8 @@ from collections import defaultdict
 
 import numpy as np
 from absl import app, flags
-from tqdm import tqdm
 
-from changecap_jax import cli, compile_cache, explain
+from changecap_jax import cli, compile_cache, console, explain
 from changecap_jax.data import datasets
 from changecap_jax.export import load_exported
 from changecap_jax.predict import Predictor
@@ -49,7 +48,7 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
         raise datasets.DatasetError(f"dataset {dataset.name!r} does not record its image size")
     predictor = Predictor(exported, beam_size=beam_size)
     heat, boxes_b, boxes_a, types = [], [], [], []
-    for start in tqdm(range(0, len(source), batch_size), desc=f"localize {split}"):
+    for start in console.Progress(range(0, len(source), batch_size), desc=f"localize {split}"):
         records = [source[i] for i in range(start, min(start + batch_size, len(source)))]
         take = records + [records[-1]] * (batch_size - len(records))  # one shape, one compile
         before = np.stack([r["before"] for r in take]).astype(np.float32)

@@ -6,7 +6,8 @@ whose losses live in ``models/idc_pcl_pretraining.py``) says what differs: its s
 checkpointed data streams, its update per step (possibly a task drawn per step), how a log
 window becomes scalars, and its evaluation. Everything else is here, once, so both tasks log
 the same timing scalars (``steps_per_second`` and ``examples_per_second``), check for a
-non-finite loss the same way, and save before re-raising a failed evaluation.
+non-finite update the same way (:class:`FiniteGuard`: before every log, evaluation and save, so
+no checkpoint holds a diverged state), and save before re-raising a failed evaluation.
 
 Section numbers (§) refer to docs/official/ (see its README.md).
 """
@@ -26,19 +27,15 @@ import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 
 from changecap_jax import checkpoints, console, export, host_memory
+from changecap_jax.errors import TrainingDivergedError
 from changecap_jax.metric_writer import MetricWriter
-from changecap_jax.update import TrainState
+from changecap_jax.update import NONFINITE_METRIC, TrainState
 
 SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
 BEST_DIR = "best"  # the best-validation state and the early-stopping record
-
-
-class NonFiniteLossError(FloatingPointError):
-    pass
 
 
 class Task(Protocol):
@@ -119,11 +116,12 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     from pretraining, §5.4): every parameter whose path exists there with the same shape is
     copied, except paths containing one of ``exclude`` (the official code skips "pooler");
     the others keep their fresh initialisation. A shared path with another shape is an error."""
-    manager = checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1)
-    if manager.latest_step() is None:
-        raise FileNotFoundError(f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
-    step, source = checkpoints.restore(
-        manager, lambda step, items: {"state": ocp.args.StandardRestore()})
+    with checkpoints.make_checkpoint_manager(Path(workdir) / "checkpoints", 1) as manager:
+        if manager.latest_step() is None:
+            raise FileNotFoundError(
+                f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
+        step, source = checkpoints.restore(
+            manager, lambda step, items: {"state": ocp.args.StandardRestore()})
     flat_src = flax.traverse_util.flatten_dict(source["state"]["params"], sep="/")
     flat = flax.traverse_util.flatten_dict(params, sep="/")
     copied, skipped = [], []
@@ -185,7 +183,7 @@ class EarlyStopping:
         return self.patience > 0
 
     def _manager(self) -> ocp.CheckpointManager:
-        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1)
+        return checkpoints.make_checkpoint_manager(self.directory / "checkpoints", 1, writer=True)
 
     def update(self, step: int, results: dict[str, dict[str, Any]], state: TrainState) -> bool:
         """Records one evaluation; saves ``state`` when it is the best. True = stop now."""
@@ -195,10 +193,10 @@ class EarlyStopping:
         value = selection_value(results["val"], self.metric)
         if value > self.best:
             self.best, self.best_step, self.since = value, step, 0
-            manager = self._manager()
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-                         force=True)
-            manager.wait_until_finished()
+            with self._manager() as manager:
+                manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                             force=True)
+                manager.wait_until_finished()
         else:
             self.since += 1
         if jax.process_index() == 0:
@@ -210,11 +208,11 @@ class EarlyStopping:
         return self.since >= self.patience
 
     def restore(self, like: TrainState) -> TrainState:
-        manager = self._manager()
-        if manager.latest_step() is None:
-            raise FileNotFoundError(f"no best checkpoint in {self.directory}")
-        _, restored = checkpoints.restore(
-            manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
+        with self._manager() as manager:
+            if manager.latest_step() is None:
+                raise FileNotFoundError(f"no best checkpoint in {self.directory}")
+            _, restored = checkpoints.restore(
+                manager, lambda step, items: {"state": ocp.args.StandardRestore(like)})
         return restored["state"]
 
 
@@ -250,15 +248,58 @@ class _Window:
         self.steps.append((key, metrics))
         self.examples += examples
 
-    def scalars(self, task: Task, step: int) -> dict[str, float]:
+    def scalars(self, task: Task) -> dict[str, float]:
         scalars = task.window_scalars(self.steps)
-        for name, value in scalars.items():
-            if (name == "loss" or name.endswith("/loss")) and not np.isfinite(value):
-                raise NonFiniteLossError(f"non-finite {name} {value} at step {step}")
         elapsed = time.perf_counter() - self.start
         scalars["steps_per_second"] = len(self.steps) / elapsed
         scalars["examples_per_second"] = self.examples / elapsed
         return scalars
+
+
+class FiniteGuard:
+    """Reads the steps' non-finite flags (``update.NONFINITE_METRIC``) when the loop syncs
+    with the device anyway (a log, an evaluation, a save), so it adds no sync of its own.
+
+    Without ``skip``, a non-finite step raises :class:`TrainingDivergedError` naming it and
+    the last checkpoint kept, before anything of it is saved or evaluated. With ``skip`` (the
+    update step then left the state as it was) the skipped steps are logged and counted.
+    """
+
+    def __init__(self, skip: bool):
+        self.skip = skip
+        self.unchecked: list[tuple[int, Any]] = []
+        self.skipped_since_log = 0
+
+    def add(self, step: int, metrics: dict) -> None:
+        """Takes ``step``'s flag out of its metrics (it is no scalar to log)."""
+        self.unchecked.append((step, metrics.pop(NONFINITE_METRIC)))
+
+    def check(self, manager: ocp.CheckpointManager) -> None:
+        if not self.unchecked:
+            return
+        flags = jax.device_get([flag for _, flag in self.unchecked])
+        bad = [step for (step, _), flag in zip(self.unchecked, flags, strict=True) if flag]
+        self.unchecked = []
+        if not bad:
+            return
+        if not self.skip:
+            manager.wait_until_finished()
+            kept = manager.latest_step()
+            raise TrainingDivergedError(
+                f"training diverged: step {bad[0]} gave a non-finite loss, gradient or "
+                "parameter; stopped before saving it. "
+                + (f"The last checkpoint, step {kept} in {manager.directory}, is finite and "
+                   "kept" if kept is not None else "No checkpoint was saved before it")
+                + ". Lower config.optim.learning_rate, or set "
+                "--config.skip_nonfinite_updates=True to skip such updates")
+        self.skipped_since_log += len(bad)
+        logging.warning("skipped %d non-finite update(s) (steps %s); the parameters stayed "
+                        "as they were", len(bad), ", ".join(map(str, bad[:10])))
+
+    def take_skipped(self) -> int:
+        """The skipped updates since the last call (a log window's count)."""
+        count, self.skipped_since_log = self.skipped_since_log, 0
+        return count
 
 
 def _evaluate(task: Task, manager: ocp.CheckpointManager, state: TrainState, step: int,
@@ -293,48 +334,68 @@ def run(task: Task) -> dict[str, Any]:
     manager = task.checkpoint_manager()
     streams = task.data_streams()
     state = start(task, manager, writer, streams)
-    first, total = int(state.step), task.total_train_steps
     stopper = EarlyStopping(task.workdir / BEST_DIR, config.get("early_stop_evals", 0),
                             task.selection_metric)
     if task.is_main:
-        task.describe(state, first)
+        task.describe(state, int(state.step))
+    try:
+        results = _train(task, manager, writer, streams, state, stopper)
+    finally:
+        manager.close()
+        writer.close()
+    return results
+
+
+def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
+           streams: dict[str, Any], state: TrainState, stopper: EarlyStopping) -> dict[str, Any]:
+    """The steps of :func:`run` from ``state`` on; returns the last evaluation."""
+    config = task.config
+    first, total = int(state.step), task.total_train_steps
     # ETA from the average step time, compiles and evaluations left out (paused).
     bar = console.StepBar(total, first, task.bar_label, disable=not task.is_main)
     results: dict[str, Any] = {}
     window = _Window()
-    for step in range(first + 1, total + 1):
-        state, metrics, key = task.run_step(state, step, streams)
-        if step == first + 1:
-            bar.unpause()  # the bar starts paused: the first call compiled
-        window.add(key, metrics, task.examples_per_step(key))
-        bar.update(1)
-        if step % config.log_every_steps == 0 or step == total:
-            scalars = window.scalars(task, step)
-            writer.write_scalars(step, scalars)
-            task.history.append((step, scalars))
-            bar.set_postfix(loss=f"{scalars.get(f'{key}/loss', scalars.get('loss')):.3f}")
-            window = _Window()
-        do_eval = step % config.eval_every_steps == 0 or step == total
-        stop = False
-        if do_eval:
-            bar.pause()
-            final = step == total and not stopper.enabled
-            results = _evaluate(task, manager, state, step, streams, writer, final)
-            if stopper.enabled:
-                stop = stopper.update(step, results, state)
-            bar.unpause()
-        if do_eval or step % config.checkpoint_every_steps == 0:
-            save(manager, step, state, streams, _checkpoint_metrics(results) if do_eval else None)
-        if stop:
-            logging.info("early stop at step %d: val %s has not improved for %d evaluations "
-                         "(best %.4f at step %d)", step, stopper.metric, stopper.patience,
-                         stopper.best, stopper.best_step)
-            break
-    bar.close()
+    guard = FiniteGuard(skip=config.get("skip_nonfinite_updates", False))
+    with bar:  # closed on an error too: an open bar would swallow the error's line
+        for step in range(first + 1, total + 1):
+            state, metrics, key = task.run_step(state, step, streams)
+            if step == first + 1:
+                bar.unpause()  # the bar starts paused: the first call compiled
+            guard.add(step, metrics)
+            window.add(key, metrics, task.examples_per_step(key))
+            bar.update(1)
+            do_log = step % config.log_every_steps == 0 or step == total
+            do_eval = step % config.eval_every_steps == 0 or step == total
+            do_save = do_eval or step % config.checkpoint_every_steps == 0
+            if do_log or do_save:  # each syncs with the device anyway
+                guard.check(manager)
+            if do_log:
+                scalars = window.scalars(task)
+                if guard.skip:
+                    scalars["skipped_updates"] = float(guard.take_skipped())
+                writer.write_scalars(step, scalars)
+                task.history.append((step, scalars))
+                bar.set_postfix(loss=f"{scalars.get(f'{key}/loss', scalars.get('loss')):.3f}")
+                window = _Window()
+            stop = False
+            if do_eval:
+                bar.pause()
+                final = step == total and not stopper.enabled
+                results = _evaluate(task, manager, state, step, streams, writer, final)
+                if stopper.enabled:
+                    stop = stopper.update(step, results, state)
+                bar.unpause()
+            if do_save:
+                save(manager, step, state, streams,
+                     _checkpoint_metrics(results) if do_eval else None)
+            if stop:
+                logging.info("early stop at step %d: val %s has not improved for %d "
+                             "evaluations (best %.4f at step %d)", step, stopper.metric,
+                             stopper.patience, stopper.best, stopper.best_step)
+                break
     manager.wait_until_finished()
     if stopper.enabled:  # the final splits are scored with the best validation state
         best = stopper.restore(state)
         logging.info("final evaluation of the best state (step %d)", int(best.step))
         results = task.evaluate_at(best, int(best.step), writer, True)
-    writer.close()
     return results

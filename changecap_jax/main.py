@@ -27,10 +27,11 @@ import re
 import shlex
 from pathlib import Path
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import checkpoint_steps, cli
+from changecap_jax import checkpoint_steps, cli, workdir_lock
 from changecap_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -99,17 +100,22 @@ def main(argv: list[str]) -> None:
             workdir = os.path.join("workdir", name)
         if FLAGS.mode == "eval":
             _require_checkpoint(workdir)
-    from changecap_jax import parallel, pretrain, train
+    from changecap_jax import parallel
 
-    # orbax logs every checkpoint step at INFO; keep its warnings only.
-    logging.getLogger("absl").addFilter(
-        lambda r: r.levelno >= logging.WARNING or "/orbax/" not in r.pathname)
     if FLAGS.multihost:
         parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                         FLAGS.process_id, FLAGS.cpu_collectives)
+    # One run per workdir: a second one is refused here, before anything is written.
+    with workdir_lock.hold(workdir):
+        _run(config, workdir)
+    _close(workdir)
+
+
+def _run(config: ml_collections.ConfigDict | None, workdir: str) -> None:
+    from changecap_jax import pretrain, train
+
     if FLAGS.model is not None:
         train.evaluate_exported(FLAGS.model, workdir, config)
-        _close(workdir)
         return
     # The whole config is in WORKDIR/config.json once training starts; on the console it
     # would bury the rest (and an early error under 70 lines).
@@ -123,7 +129,6 @@ def main(argv: list[str]) -> None:
         task(config, workdir).train()
     else:
         train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
-    _close(workdir)
 
 
 def _close(workdir: str) -> None:

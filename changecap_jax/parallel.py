@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from changecap_jax.errors import UserError
+
 DATA_AXIS = "data"
 
 
@@ -62,9 +64,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def check_global_batch(global_batch_size: int, mesh: Mesh) -> None:
+class BatchSizeError(UserError, ValueError):
+    """A global batch size that is not a positive multiple of the device count."""
+
+
+def check_global_batch(global_batch_size: int, mesh: Mesh, name: str = "batch_size") -> None:
+    """Raises :class:`BatchSizeError` unless ``global_batch_size`` (the config field ``name``)
+    is a positive multiple of the mesh's device count."""
     n = mesh.devices.size
-    if global_batch_size % n:
-        raise ValueError(
-            f"batch_size {global_batch_size} must be divisible by the number of devices {n}"
-        )
+    if global_batch_size <= 0 or global_batch_size % n:
+        raise BatchSizeError(f"config.{name} is {global_batch_size}: it must be a positive "
+                             f"multiple of the number of devices, {n}")

@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw, UnidentifiedImageError
-from tqdm import tqdm
 
-from changecap_jax import cli, compile_cache, decoding, explain
+from changecap_jax import cli, compile_cache, console, decoding, explain
 from changecap_jax.errors import UserError
 from changecap_jax.export import ExportedModel, load_exported
 from changecap_jax.features import grid
@@ -293,7 +292,7 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
     settings = {"model": str(Path(model_dir).resolve()), "step": exported.step,
                 "beam_size": beam_size, "length_penalty": length_penalty}
     results: list[Prediction] = []
-    bar = tqdm(total=len(pairs), desc="predict", disable=not progress or len(pairs) < 2)
+    bar = console.Progress(total=len(pairs), desc="predict", disable=not progress or len(pairs) < 2)
     for before, after in pairs:
         warning = size_mismatch(Path(before), Path(after))
         if warning:

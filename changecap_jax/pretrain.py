@@ -254,7 +254,8 @@ class PretrainTrainer(train.Trainer):
         temperature = float(pre.get("fda_temperature", 1.0))
         self.task_steps = {t: make_task_step(
             self.model, t, self.optimizer, self.mesh, self.schedule, fda_temperature=temperature,
-            classify=classify, zero_grad_rows=dict(config.optim.zero_grad_rows))
+            classify=classify, zero_grad_rows=dict(config.optim.zero_grad_rows),
+            skip_nonfinite=config.get("skip_nonfinite_updates", False))
             for t in self.tasks}
         self.task_losses = {t: jax.jit(make_task_loss(
             self.model, t, self.mesh, train_mode=False, fda_temperature=temperature))
@@ -447,7 +448,7 @@ class PretrainTrainer(train.Trainer):
         extra = tuple(f"data_{s}" for s in self.extra_streams())
         return checkpoints.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
-            ("state", *(f"data_{t}" for t in self.tasks), *extra))
+            ("state", *(f"data_{t}" for t in self.tasks), *extra), writer=True)
 
     def save(self, manager: ocp.CheckpointManager, step: int, state: train.TrainState,
              iterators: dict[str, Any]) -> None:

@@ -29,12 +29,12 @@ import jax
 import numpy as np
 from absl import app, flags
 from PIL import Image
-from tqdm import tqdm
 
 from changecap_jax import (
     checkpoints,
     cli,
     compile_cache,
+    console,
     evaluation,
     experiment,
     explain,
@@ -114,7 +114,8 @@ def heatmap_images(exp: experiment.Experiment, params: Any,
     out: list[dict[str, bytes]] = [{} for _ in pairs]
     todo = [i for i, (record, _, _) in enumerate(pairs)
             if datasets.image_paths(dataset, record) is not None]
-    for start in tqdm(range(0, len(todo), batch_size), desc="heatmaps", dynamic_ncols=True):
+    for start in console.Progress(range(0, len(todo), batch_size), desc="heatmaps",
+                                  dynamic_ncols=True):
         chunk = todo[start:start + batch_size]
         take = chunk + [chunk[-1]] * (batch_size - len(chunk))  # one shape: one compile
         before = np.stack([pairs[i][0]["before"] for i in take]).astype(np.float32)

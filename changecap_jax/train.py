@@ -26,10 +26,10 @@ import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
 from changecap_jax import (
     checkpoints,
+    console,
     decoding,
     evaluation,
     evaluators,
@@ -201,7 +201,7 @@ def make_loss_fn(model: Any, loss_weights: dict[str, float], mesh: Any,
 def make_train_step(
     model: Any, optimizer: Any, loss_weights: dict[str, float], mesh: Any,
     zero_grad_rows: dict[str, int], schedule: Any, *, with_grads: bool = False,
-    compute_dtype: Any = jnp.float32,
+    compute_dtype: Any = jnp.float32, skip_nonfinite: bool = False,
 ) -> Any:
     """The jitted update (state, global batch) -> (state, metrics) of captioning
     (``update.make_update_step`` over :func:`make_loss_fn`); with ``with_grads`` the gradients
@@ -209,7 +209,7 @@ def make_train_step(
     return make_update_step(
         make_loss_fn(model, loss_weights, mesh, compute_dtype), optimizer, mesh, schedule,
         zero_grad_rows=zero_grad_rows, post_update=contract.post_update_fn(model),
-        with_grads=with_grads)
+        with_grads=with_grads, skip_nonfinite=skip_nonfinite)
 
 
 def init_train_state(model: Any, optimizer: Any, example: dict[str, Any], mesh: Any,
@@ -277,7 +277,8 @@ class Trainer:
         self.compute_dtype = self.experiment.compute_dtype
         self.train_step = make_train_step(
             self.model, self.optimizer, dict(config.loss_weights), self.mesh,
-            dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype)
+            dict(config.optim.zero_grad_rows), self.schedule, compute_dtype=self.compute_dtype,
+            skip_nonfinite=config.get("skip_nonfinite_updates", False))
         self.data_sharding = parallel.batch_sharding(self.mesh)
         self.history: list[tuple[int, dict[str, float]]] = []  # logged training metrics
 
@@ -316,7 +317,7 @@ class Trainer:
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
         return checkpoints.make_checkpoint_manager(self.workdir / "checkpoints",
-                                                   self.config.keep_checkpoints)
+                                                   self.config.keep_checkpoints, writer=True)
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
                 step: int | None = None, *, order: list[int] | None = None,
@@ -396,9 +397,9 @@ class Trainer:
             evaluator.start(split)
         records: list[evaluation.PairCaption] = []
         total = pipeline.num_eval_batches(len(source), self.config.eval_batch_size)
-        for k, batch in enumerate(tqdm(self.eval_batches(source), total=total,
-                                       desc=f"eval {split}", disable=not self.is_main,
-                                       dynamic_ncols=True)):
+        for k, batch in enumerate(console.Progress(self.eval_batches(source), total=total,
+                                                   desc=f"eval {split}",
+                                                   disable=not self.is_main, dynamic_ncols=True)):
             arrays = pipeline.to_global(
                 batch, self.data_sharding,
                 fields=("before", "mask", *(STREAM_INPUTS[s][0] for s in streams),
@@ -530,10 +531,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str | os.Pat
                         step: int | None = None) -> dict[str, Any]:
     """``--mode=eval``: restores a checkpoint (latest by default) and scores the final splits."""
     trainer = Trainer(config, workdir)
-    manager = trainer.checkpoint_manager()
-    if manager.latest_step() is None:
-        raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
-    state = trainer.restore(manager, trainer.init_state(), step=step)
+    with trainer.checkpoint_manager() as manager:
+        if manager.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+        state = trainer.restore(manager, trainer.init_state(), step=step)
     results = {s: trainer.evaluate(state, s, int(state.step)) for s in config.final_eval_splits}
     if trainer.is_main:
         logging.info("eval results: %s", json.dumps(

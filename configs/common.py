@@ -124,6 +124,10 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     # score final_eval_splits with the best state (0 = off: train all steps, score the last).
     config.early_stop_evals = 0
     config.early_stop_metric = "CIDEr"
+    # An update whose loss, gradients or new parameters are not finite stops the run before
+    # anything non-finite is saved (exit status 3); True skips such updates instead (the
+    # parameters stay as they were), counting them in the logs (docs/training.md).
+    config.skip_nonfinite_updates = False
     return config
 
 

@@ -63,9 +63,8 @@ from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 from absl import app, flags
-from tqdm import tqdm
 
-from changecap_jax import cli
+from changecap_jax import cli, console
 from changecap_jax.data import hard_negatives as hn
 from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
 from changecap_jax.data.hard_negatives import HardNegativeError, write_negatives
@@ -563,8 +562,8 @@ def _write_features(path: Path, images: Sequence[Path], feature_fn: FeatureFn,
                     batch_size: int, dtype: str, desc: str, progress: bool) -> tuple[int, ...]:
     """Streams the grids of ``images`` into a (N, H, W, C) ``.npy``; returns (H, W, C)."""
     stored = None
-    with tqdm(total=len(images), unit="img", desc=desc, disable=not progress,
-              dynamic_ncols=True) as bar:
+    with console.Progress(total=len(images), unit="img", desc=desc, disable=not progress,
+                          dynamic_ncols=True) as bar:
         for start in range(0, len(images), batch_size):
             chunk = images[start:start + batch_size]
             grids = np.asarray(feature_fn(chunk))

@@ -48,6 +48,11 @@ CASES = {
     "export of a missing workdir": (["changecap_jax.export", "--workdir={tmp}/w",
                                      "--out={tmp}/out"], ["{tmp}/w"]),
     "report of a missing workdir": (["changecap_jax.report", "--workdir={tmp}/w"], ["{tmp}/w"]),
+    "batch size 0": ([*MAIN, "--config.batch_size=0", "--workdir={tmp}/w",
+                      "--config.dataset.data_dir={tmp}/data"],
+                     ["config.batch_size is 0", "positive multiple of the number of devices"]),
+    "config.json not JSON": (["changecap_jax.report", "--workdir={tmp}/broken"],
+                             ["{tmp}/broken/config.json is not valid JSON"]),
     "predict: not an image": (["changecap_jax.predict", "--model={tmp}/model",
                                "--before={tmp}/text.png", "--after={tmp}/text.png"],
                               ["cannot read image {tmp}/text.png"]),
@@ -69,6 +74,10 @@ def _lines(text: str) -> list[str]:
 def test_user_error_is_one_line_and_status_2(case, tmp_path):
     args, names = CASES[case]
     (tmp_path / "text.png").write_text("not an image")
+    # An evaluated run whose config.json was cut short.
+    record = ev.PairCaption("0.png", "a cube moved", ["a cube moved"], "move")
+    ev.write_results(tmp_path / "broken", "test", 3, [record], {"CIDEr": 1.0})
+    (tmp_path / "broken" / "config.json").write_text('{"model": ')
     done = _run(args, tmp_path)
     lines = _lines(done.stderr)
     assert done.returncode == cli.EXIT_USER_ERROR, done.stderr[-3000:]
@@ -159,7 +168,8 @@ def test_log_line_is_not_glued_to_an_open_bar(capsys):
     assert "3/10" in after and "4/10" in after
 
 
-def test_training_bar_eta_ignores_compile_and_evaluation(capsys):
+def test_training_bar_eta_ignores_compile_and_evaluation(capsys, monkeypatch):
+    monkeypatch.setattr(console, "is_terminal", lambda: True)  # a bar, not log lines
     bar = console.StepBar(1000, 0, "train")
     time.sleep(0.4)  # the first step's compile
     for step in range(1, 21):

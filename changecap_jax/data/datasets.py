@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from changecap_jax import console
 from changecap_jax.data import auto_prep, building, entity_inputs, schema
 from changecap_jax.data.image_files import image_paths  # noqa: F401  (datasets.image_paths)
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
@@ -258,6 +259,8 @@ def build(builder: tfds.core.DatasetBuilder, *, wait_s: float = building.WAIT_S)
         detail = builder.build_detail() if hasattr(builder, "build_detail") else ""
         logging.info("building %s%s in %s", what, f" ({detail})" if detail else "", directory)
         start = time.monotonic()
+        if not console.is_terminal():  # TFDS's own bars; off a terminal they are noise
+            tfds.disable_progress_bar()
         try:
             with building.sigterm_raises():
                 builder.download_and_prepare(

@@ -79,8 +79,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm import tqdm
 
+from changecap_jax import console
 from changecap_jax.data import entities as entity_lib
 from changecap_jax.data import entity_inputs, image_files
 from changecap_jax.jsonio import atomic_write, staging_dir
@@ -195,8 +195,8 @@ class _SplitGrids:
         if size <= max_bytes:
             self.arrays = {k: np.empty((len(self.rows), *np.shape(first[k])), np.float16)
                            for k in self.keys}
-            for j, i in enumerate(tqdm(self.rows, desc="read grids", dynamic_ncols=True,
-                                       leave=False)):
+            for j, i in enumerate(console.Progress(self.rows, desc="read grids",
+                                                   dynamic_ncols=True, leave=False)):
                 record = source[int(i)]
                 for k in self.keys:
                     self.arrays[k][j] = record[k]
@@ -342,7 +342,7 @@ class ContrastiveBackbone:
 
         rng = np.random.default_rng(s.seed)
         history = []
-        for _ in tqdm(range(s.steps), desc="train retrieval model", dynamic_ncols=True):
+        for _ in console.Progress(range(s.steps), desc="train retrieval model", dynamic_ncols=True):
             batch = rng.choice(len(rows), size=min(s.batch_size, len(rows)), replace=False)
             grids = self._train_grids.get(batch)
             params, opt_state, loss = step(params, opt_state, grids["before"],
@@ -461,7 +461,8 @@ class ClipBackbone:
                 _save_npz_atomic(cache, embeddings=emb, record_ids=record_ids[: len(emb)],
                                  model=np.array(str(self.clip_path.resolve())))
 
-        bar = tqdm(total=n, initial=done, desc=f"CLIP {split}/{key}", dynamic_ncols=True)
+        bar = console.Progress(total=n, initial=done, desc=f"CLIP {split}/{key}",
+                               dynamic_ncols=True)
         unsaved = 0
         try:
             with torch.no_grad():

@@ -95,14 +95,13 @@ import functools
 import json
 import math
 import os
-import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from changecap_jax import console
 from changecap_jax.data import word_classes as wc
 from changecap_jax.data.negatives import (  # noqa: F401  (the reader lives in the core)
     FILE_SUFFIX,
@@ -201,8 +200,8 @@ def read_pairs(
 def _progress(items: Any, enabled: bool, desc: str) -> Any:
     if not enabled:
         return items
-    return tqdm(items, desc=desc, unit="pair" if "reading" not in desc else "record",
-                mininterval=1.0, file=sys.stderr)
+    return console.Progress(items, desc=desc,
+                            unit="pair" if "reading" not in desc else "record", mininterval=1.0)
 
 
 # ----------------------------------------------------------------------------- TF-IDF

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
+from changecap_jax import console
 from changecap_jax.features.preprocess import preprocess_batch
 from changecap_jax.features.resnet import OUTPUT_SHAPES, load_resnet101
 from changecap_jax.jsonio import atomic_write
@@ -203,8 +203,8 @@ def extract_directory(
     summary = ExtractionSummary(len(paths), len(todo), len(paths) - len(todo), out_dir)
     if not todo:
         return summary
-    with tqdm(total=len(paths), initial=summary.skipped, unit="img", disable=not progress,
-              desc=f"layer{layer} features") as bar:
+    with console.Progress(total=len(paths), initial=summary.skipped, unit="img",
+                          disable=not progress, desc=f"layer{layer} features") as bar:
         for path, feat in extract_features(
                 todo, weights, layer, batch_size, std_fix=std_fix, device=device,
                 resize_flavour=resize_flavour, use_cv2=use_cv2):

@@ -315,7 +315,7 @@ def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: b
 def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, schedule: Any,
                    *, fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
                    zero_grad_rows: dict[str, int] | None = None,
-                   with_grads: bool = False) -> Any:
+                   with_grads: bool = False, skip_nonfinite: bool = False) -> Any:
     """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
     gradients with ``with_grads``, for tests): ``update.make_update_step`` over
     :func:`make_task_loss`, with the trunk's gradient row mask and the model's
@@ -324,4 +324,4 @@ def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, 
                              classify=classify)
     return make_update_step(loss_fn, optimizer, mesh, schedule, zero_grad_rows=zero_grad_rows,
                             post_update=contract.post_update_fn(model),
-                            with_grads=with_grads)
+                            with_grads=with_grads, skip_nonfinite=skip_nonfinite)

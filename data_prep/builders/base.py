@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds
-from tqdm import tqdm
 
+from changecap_jax import console
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
 from changecap_jax.jsonio import read_json
@@ -402,8 +402,8 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
         # rare words) they become <UNK> and are counted.
         unknown: dict[str, int] = {}
         chunk = max(1, self.batch_size)
-        with tqdm(total=len(specs), desc=f"{self.name} {split}", unit="record",
-                  disable=not self.progress) as bar:
+        with console.Progress(total=len(specs), desc=f"{self.name} {split}", unit="record",
+                              disable=not self.progress) as bar:
             for start in range(0, len(specs), chunk):
                 batch = specs[start:start + chunk]
                 rels = list(dict.fromkeys(r for s in batch for r in s.images.values()))
