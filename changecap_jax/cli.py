@@ -29,7 +29,8 @@ from typing import Any, NoReturn
 
 from absl import app, flags
 
-from changecap_jax import console, host_memory
+from changecap_jax import console
+from changecap_jax.cpu import host_memory
 from changecap_jax.errors import TrainingDivergedError, UserError
 
 EXIT_USER_ERROR = UserError.exit_status

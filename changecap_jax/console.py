@@ -30,7 +30,7 @@ QUIET_LIBRARIES = ("jax",)
 # Sources whose INFO lines are chatter: libraries that log through absl (one logger for all,
 # so told apart by the file that logged) and host_memory's allocator setting.
 QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/",
-                 "/changecap_jax/host_memory.py")
+                 "/changecap_jax/cpu/host_memory.py")
 LOG_PROGRESS_EVERY_S = 30.0  # off a terminal: the least time between two progress lines
 
 

@@ -23,4 +23,4 @@ class TrainingDivergedError(FloatingPointError):
 
 
 class WorkdirBusyError(UserError):
-    """Another live run holds the workdir's lock (``changecap_jax.workdir_lock``)."""
+    """Another live run holds the workdir's lock (``changecap_jax.io.workdir_lock``)."""

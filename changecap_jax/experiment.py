@@ -22,9 +22,9 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from changecap_jax import models, parallel, precision
+from changecap_jax import models, parallel
 from changecap_jax.data import datasets
-from changecap_jax.models import contract
+from changecap_jax.models import contract, precision
 from changecap_jax.models.base import conditioning_shapes, extra_tokens
 
 

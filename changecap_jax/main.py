@@ -6,17 +6,17 @@
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
                                          score the latest checkpoint on the final splits
                                          (both pass damaged checkpoints with a warning,
-                                         changecap_jax/checkpoints.py); a config with a
+                                         changecap_jax/io/checkpoints.py); a config with a
                                          ``pretrain`` block pretrains
-                                         (changecap_jax/pretrain.py, train mode only)
+                                         (changecap_jax/trainers/pretraining.py, train mode only)
     --model=DIR                          with --mode=eval: score an exported model
-                                         (python -m changecap_jax.export) instead; --config
+                                         (python -m changecap_jax export) instead; --config
                                          is then optional (it overrides all but the model)
     --multihost                          call jax.distributed.initialize first
     --verbose                            tracebacks of user errors, and the whole config
 
 A run ends with a line naming its metrics, captions and checkpoints folders and the command
-that makes its HTML report (changecap_jax.report).
+that makes its HTML report (changecap_jax.inference.report).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import checkpoint_steps, cli, workdir_lock
+from changecap_jax import cli
 from changecap_jax.errors import UserError
+from changecap_jax.io import checkpoints, workdir_lock
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
@@ -61,7 +62,7 @@ def closing_line(workdir: str | os.PathLike) -> str:
     if evaluated and (workdir / "config.json").exists():
         splits = {split for _, split in evaluated}
         split = "test" if "test" in splits else evaluated[-1][1]
-        command = f"python -m changecap_jax.report --workdir={shlex.quote(str(workdir))}"
+        command = f"python -m changecap_jax report --workdir={shlex.quote(str(workdir))}"
         line += "; HTML report: " + command + ("" if split == "test" else f" --split={split}")
     return line
 
@@ -70,16 +71,16 @@ def _require_checkpoint(workdir: str) -> None:
     """--mode=eval of a workdir without checkpoints fails before the dataset is opened (or,
     for the synthetic one, built)."""
     directory = Path(workdir) / "checkpoints"
-    if not checkpoint_steps.has_steps(directory):
+    if not checkpoints.has_steps(directory):
         raise UserError(f"no checkpoint in {directory}: train into --workdir={workdir} first, "
-                        "or convert one (python -m changecap_jax.convert)")
+                        "or convert one (python -m changecap_jax convert)")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
-    # The command line is checked before the heavy imports (JAX, orbax, TFDS): a mistake in
+    # The command line is checked before a dataset is opened or anything compiles: a mistake in
     # it is reported at once.
     if FLAGS.model is not None:
         if FLAGS.mode != "eval":
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> None:
     else:
         if config is None:
             raise app.UsageError("--config is required (or --mode=eval --model=DIR)")
-        # A config with a pretrain block trains by sampled tasks (changecap_jax/pretrain.py);
+        # A config with a pretrain block trains by sampled tasks
+        # (changecap_jax/trainers/pretraining.py);
         # it validates while training and has no captions to score.
         if "pretrain" in config and FLAGS.mode != "train":
             raise app.UsageError("a pretraining config (with a pretrain block) has no "
@@ -112,10 +114,10 @@ def main(argv: list[str]) -> None:
 
 
 def _run(config: ml_collections.ConfigDict | None, workdir: str) -> None:
-    from changecap_jax import pretrain, train
+    from changecap_jax.trainers import captioning, pretraining
 
     if FLAGS.model is not None:
-        train.evaluate_exported(FLAGS.model, workdir, config)
+        captioning.evaluate_exported(FLAGS.model, workdir, config)
         return
     # The whole config is in WORKDIR/config.json once training starts; on the console it
     # would bury the rest (and an early error under 70 lines).
@@ -125,10 +127,10 @@ def _run(config: ml_collections.ConfigDict | None, workdir: str) -> None:
     if FLAGS.mode == "train":
         # The task (captioning, or pretraining for a config with a pretrain block); its
         # train() runs the one loop (loop.run).
-        task = pretrain.PretrainTrainer if "pretrain" in config else train.Trainer
+        task = pretraining.PretrainTrainer if "pretrain" in config else captioning.Trainer
         task(config, workdir).train()
     else:
-        train.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+        captioning.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
 
 
 def _close(workdir: str) -> None:

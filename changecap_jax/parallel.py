@@ -2,7 +2,7 @@
 
 The trunk uses one mesh axis, ``data``: the global batch is split over every device of every
 process. Batch-wide losses are computed inside ``jax.shard_map`` with explicit collectives
-over this axis (see ``losses.py``), so N devices give the same loss and gradients as one.
+over this axis (see ``models/losses.py``), so N devices give the same loss and gradients as one.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.num_logged_examples = 4  # generated captions printed beside references at each eval
     config.swap_prob = 0.5  # official before/distractor swap augmentation
     # Dtype of the forward pass (float32 | bfloat16); parameters, optimizer state, softmax,
-    # normalisation statistics and losses stay float32 (changecap_jax/precision.py).
+    # normalisation statistics and losses stay float32 (changecap_jax/models/precision.py).
     config.compute_dtype = "float32"
     config.data = input_pipeline()
     config.optim = ml_collections.ConfigDict({
@@ -89,7 +89,7 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
         "b1": 0.9,
         "b2": 0.999,
         "eps": 1e-8,
-        "schedule": "step_lr",  # step_lr | piecewise | noam (changecap_jax.train)
+        "schedule": "step_lr",  # step_lr | piecewise | noam (changecap_jax.trainers.captioning)
         "decay_factor": 0.1,
         "decay_every_epochs": 15,  # StepLR(step_size=15) stepped once per epoch
         "boundaries": (),  # piecewise: steps where lr is multiplied by decay_factor

@@ -6,7 +6,8 @@
         --config.init_from=P        (optional: fine-tune from the pretraining run in P)
 
 Pretraining presets (``pretrain/DATASET``; ``pretrain`` alone is the synthetic set), run by
-changecap_jax/pretrain.py (§5.3, §5.6): each step draws one task, MLM : MVCL : FDA = 8 : 1 : 2,
+changecap_jax/trainers/pretraining.py (§5.3, §5.6): each step draws one task, MLM : MVCL : FDA = 8
+: 1 : 2,
 from (seed, step); Adam with the noam schedule; every task's loss over the global batch. FDA
 reads 6 hard negatives per pair from ``<split>_neg_tfidf6.json`` in the dataset's directory:
 the synthetic presets make them on first use; for a real dataset make them first with
@@ -77,7 +78,7 @@ parameter except the pooler, as ``finetune.py``; pretraining's feat_regress has 
 
 Tokens: on the trunk the text uses the dataset vocabulary (BOS = <START>, EOS = <END>) with
 [MASK] and [CLS] rows appended; the official dict.json layout (BOS 1, MASK 5) is what
-``python -m changecap_jax.convert`` maps from.
+``python -m changecap_jax convert`` maps from.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ PRETRAIN_SAMPLES = 200  # the official pretraining batch: 200 pairs (config/pret
 
 
 def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
-    """The pretraining stage (changecap_jax/pretrain.py, §5.3/§5.6): one task per step, Adam
+    """The pretraining stage (changecap_jax/trainers/pretraining.py, §5.3/§5.6): one task per step,
+    Adam
     with the noam schedule, no distractor classifier, no early stopping."""
     warmup, steps, ratio = PRETRAIN_SCHEDULE.get(dataset, (100, 1000, (8, 1, 2)))
     config.pretrain = ml_collections.ConfigDict({
@@ -165,7 +167,8 @@ def _pretraining(config: ml_collections.ConfigDict, dataset: str) -> None:
         "fda_batch_size": 28 if dataset in PRETRAIN_SCHEDULE else 16,
         "fda_temperature": 1.0,  # args.tmp (§5.3); MVCL's nce_temp is fixed at 1 (I-Q5)
         "val_batches": 2,  # val batches per task at each validation (the same ones every time)
-        # A.3's cross-task data (changecap_jax/pretrain.py, "Cross-task source"): a directory
+        # A.3's cross-task data (changecap_jax/trainers/pretraining.py, "Cross-task source"): a
+        # directory
         # of python -m data_prep.cross_task; its meta.json says caption (CUB) or classify
         # (NABirds). "" = none.
         "extra_source": ml_collections.ConfigDict({

@@ -29,7 +29,7 @@ docs/ablations.md; each switches exactly the fields ABLATIONS names):
                          representation reconstruction); without L_sim. Subtraction is its own
                          model: configs/subtraction.py.
   mtm_per_subspace, tm, max_pool, mean_pool
-                         Fig. 3: model.matching (changecap_jax.losses.matching_similarity).
+                         Fig. 3: model.matching (changecap_jax.models.losses.matching_similarity).
   heads{1,2,4,8,16}      Fig. 4: model.encoder_heads (the SCORER layers' heads).
   layers{1,2,3,4}        Fig. 5: model.encoder_layers.
 

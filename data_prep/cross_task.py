@@ -9,7 +9,7 @@ half of the pairs from the same class (:func:`classification_pairs`), for a clas
 contrastive and a same-class matching loss. CUB is used in a first pretraining stage, NABirds
 together with Birds-to-Words in the second, at a batch ratio NABirds : Birds-to-Words = 1:4
 (:func:`mixed_batches`). Pretraining reads a built source through
-``config.pretrain.extra_source.dir`` (``changecap_jax/pretrain.py``,
+``config.pretrain.extra_source.dir`` (``changecap_jax/trainers/pretraining.py``,
 ``changecap_jax/data/extra_source.py``, where :func:`classification_pairs` now lives).
 
     python -m data_prep.cross_task --source=cub --raw_dir=CUB_200_2011 --vocab=vocab.json \\
@@ -65,13 +65,12 @@ import numpy as np
 from absl import app, flags
 
 from changecap_jax import cli, console
-from changecap_jax.data import hard_negatives as hn
-from changecap_jax.data.extra_source import classification_pairs  # noqa: F401 (re-export)
-from changecap_jax.data.hard_negatives import HardNegativeError, write_negatives
 from changecap_jax.data.negatives import negatives_path
 from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
 from changecap_jax.errors import UserError
-from changecap_jax.jsonio import staging_dir
+from changecap_jax.io.jsonio import staging_dir
+from changecap_jax.prep import hard_negatives as hn
+from changecap_jax.prep.hard_negatives import HardNegativeError, write_negatives
 
 FeatureFn = Callable[[Sequence[Path]], np.ndarray]  # image paths -> (N, H, W, C) grids
 SPLIT_FLAGS = {"1": "train", "0": "test"}
@@ -442,13 +441,13 @@ def resnet_feature_fn(weights: str | Path, layer: int = 4, *, device: str | None
     """The project's ResNet-101 extractor (``data_prep.extract_features``, official
     preprocessing) with local torchvision-format ``weights``, loaded once; layer 4 gives
     IDC-PCL's (7, 7, 2048) grids."""
-    from data_prep import extract_features as ef
-    from data_prep import resnet
+    from changecap_jax.features import extract as extraction
+    from changecap_jax.features import resnet
 
-    model = resnet.load_resnet101(weights, layer, device=ef.pick_device(device))
+    model = resnet.load_resnet101(weights, layer, device=extraction.pick_device(device))
 
     def extract(paths: Sequence[Path]) -> np.ndarray:
-        feats = [f for _, f in ef.extract_features(list(paths), model, layer,
+        feats = [f for _, f in extraction.extract_features(list(paths), model, layer,
                                                    batch_size=max(1, len(paths)),
                                                    std_fix=std_fix)]
         return np.stack(feats).transpose(0, 2, 3, 1)  # (N, C, H, W) -> channels-last

@@ -25,7 +25,6 @@ import sys
 from absl import flags
 
 from changecap_jax import cli
-from changecap_jax.features.extract import *  # noqa: F403  (the API, importable from here)
 from changecap_jax.features.extract import extract_directory
 from changecap_jax.features.preprocess import ImageReadError
 from changecap_jax.features.resnet import WeightsError

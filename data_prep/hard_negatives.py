@@ -1,5 +1,5 @@
 """Hard negative captions for IDC-PCL's FDA pretraining, the command; the construction and the
-file format are ``changecap_jax/data/hard_negatives.py``.
+file format are ``changecap_jax/prep/hard_negatives.py``.
 
     python -m data_prep.hard_negatives --data_dir=DIR --dataset=NAME [--variant=V] [--seed=0]
         [--out=DIR] [--splits=train,val] [--pos=auto|spacy|lexicon] [--min_df=10]
@@ -17,9 +17,8 @@ from typing import Any
 from absl import app, flags
 
 from changecap_jax import cli
-from changecap_jax.data import building, datasets
-from changecap_jax.data import hard_negatives as lib
-from changecap_jax.data.hard_negatives import *  # noqa: F403  (its API, importable as before)
+from changecap_jax.data import building, datasets, negatives
+from changecap_jax.prep import hard_negatives as lib
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -53,9 +52,9 @@ def main(argv: list[str]) -> None:
                                   min_df=flags_.min_df, progress=True)
             print(lib.format_summary(result.summary))
             for split, records in result.records.items():
-                path = lib.negatives_path(out_dir, split)
+                path = negatives.negatives_path(out_dir, split)
                 lib.write_negatives(records, path)
-                print(f"wrote {len(records)} pairs x {lib.NUM_NEGATIVES} negatives to {path}")
+                print(f"wrote {len(records)} pairs x {negatives.NUM_NEGATIVES} negatives to {path}")
     except (datasets.DatasetError, building.LockTimeout, lib.HardNegativeError) as e:
         sys.exit(f"error: {e}")
 

@@ -69,7 +69,7 @@ def random_weights(tmp_path_factory) -> Path:
     torch = pytest.importorskip(
         "torch", reason="PyTorch is not installed (optional: pip install -r "
         "requirements-torch.txt)")
-    from data_prep import resnet
+    from changecap_jax.features import resnet
 
     torch.manual_seed(0)
     model = resnet.ResNet()

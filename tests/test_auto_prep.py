@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from train_helpers import SMALL, tiny_run
 
-from changecap_jax import parallel, pretrain, train
+from changecap_jax import parallel
 from changecap_jax.data import auto_prep, entity_inputs, negatives
+from changecap_jax.trainers import captioning, pretraining
 from data_prep import retrieval as retrieval_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,13 +37,13 @@ def fresh(tmp_path_factory):
     config = tiny_run(cheers.get_config("synthetic"), str(root))
     config.model.update(hidden_dim=16, num_heads=2, word_dim=8, ffn_dim=32, hrd_layers=1,
                         decoder_layers=1)  # entity_dim stays the retrieval's 64
-    cheers_trainer = train.Trainer(config, tmp_path_factory.mktemp("cheers"),
+    cheers_trainer = captioning.Trainer(config, tmp_path_factory.mktemp("cheers"),
                                    mesh=parallel.make_mesh(1))
     config = tiny_run(idc_config.get_config("pretrain"), str(root), batch_size=8)
     config.model.update(hidden_dim=16, num_heads=2, ffn_dim=32, cross_layers=1,
                         image_dim=SMALL["feature_shape"][-1])
     config.pretrain.update(fda_batch_size=8, val_batches=1)
-    pretrainer = pretrain.PretrainTrainer(config, tmp_path_factory.mktemp("pretrain"),
+    pretrainer = pretraining.PretrainTrainer(config, tmp_path_factory.mktemp("pretrain"),
                                           mesh=parallel.make_mesh(1))
     return root, cheers_trainer, pretrainer
 

@@ -1,4 +1,5 @@
-"""Beam search (changecap_jax/decoding.py) on the three models of the trunk at tiny sizes with
+"""Beam search (changecap_jax/inference/decoding.py) on the three models of the trunk at tiny sizes
+with
 random parameters: beam 1 == greedy, beams never lose to greedy on these seeds, the reported
 scores equal a teacher-forced recompute of the returned beams (which checks the cache
 reordering), an exhaustive search, the length penalty, and rows of one batch that finish at
@@ -19,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import decoding, models
+from changecap_jax import models
+from changecap_jax.inference import decoding
 from configs import dirl as dirl_config
 from configs import scorer as scorer_config
 from configs import subtraction as subtraction_config

@@ -1,4 +1,4 @@
-"""python -m changecap_jax.benchmark: synthetic inputs, XLA cost, JSON, clear refusals.
+"""python -m changecap_jax benchmark: synthetic inputs, XLA cost, JSON, clear refusals.
 
 No timing is asserted: only that the numbers exist, are consistent and are written.
 """
@@ -18,9 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from changecap_jax import benchmark, flop_count, models
-from changecap_jax import synthetic_inputs as si
+from changecap_jax import models
 from changecap_jax.data.vocab import END_ID, START_ID
+from changecap_jax.tools import benchmark, flop_count
+from changecap_jax.tools import synthetic_inputs as si
 from configs import cheers, idc_pcl, subtraction
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_synthetic_step_computes_in_the_configs_compute_dtype():
 def test_command_writes_every_result_to_json(tmp_path):
     out = tmp_path / "sub" / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHANGECAP_COMPILATION_CACHE": "0"}
-    cmd = [sys.executable, "-m", "changecap_jax.benchmark", "--config=configs/subtraction.py",
+    cmd = [sys.executable, "-m", "changecap_jax.tools.benchmark", "--config=configs/subtraction.py",
            "--synthetic_inputs", f"--batch_size={BATCH}", f"--eval_batch_size={BATCH}",
            "--steps=1", "--decode_batches=1", "--matmul_size=64", f"--json={out}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -91,7 +92,7 @@ def test_command_writes_every_result_to_json(tmp_path):
                 "page_faults_per_step", "kernel_cpu_s_per_step"):
         assert key in results, key
     assert results["step_loaded_from_cache"] is None  # the cache is off in this run
-    # Every command keeps freed host memory where glibc runs it (changecap_jax/host_memory.py).
+    # Every command keeps freed host memory where glibc runs it (changecap_jax/cpu/host_memory.py).
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert results["host_memory_kept"] is glibc
     assert results["preset"] == "configs/subtraction.py"

@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 
 from torch_reference import official_layout  # noqa: E402
 
-from changecap_jax import benchmark, benchmark_official  # noqa: E402
-from changecap_jax import synthetic_inputs as si  # noqa: E402
-from changecap_jax.reproduce import official, run  # noqa: E402
+from changecap_jax.tools import benchmark, benchmark_official  # noqa: E402
+from changecap_jax.tools import synthetic_inputs as si  # noqa: E402
+from changecap_jax.tools.reproduce import official, run  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

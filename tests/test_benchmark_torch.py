@@ -1,4 +1,4 @@
-"""python -m changecap_jax.benchmark --compare_torch (changecap_jax/benchmark_torch.py): the
+"""python -m changecap_jax benchmark --compare_torch (changecap_jax/tools/benchmark_torch.py): the
 torch reference's step beside the jitted step, at tiny sizes.
 
 Both sides start from the same weights (the reference's, through the model's converter table)
@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 
 from conftest import SMALL  # noqa: E402
 
-from changecap_jax import benchmark  # noqa: E402
-from changecap_jax import synthetic_inputs as si  # noqa: E402
-from changecap_jax.torch_reference import TorchReferenceError  # noqa: E402
+from changecap_jax.tools import benchmark  # noqa: E402
+from changecap_jax.tools import synthetic_inputs as si  # noqa: E402
+from changecap_jax.tools.torch_reference import TorchReferenceError  # noqa: E402
 from configs import dirl, scorer, subtraction  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -119,9 +119,9 @@ def test_missing_torch_is_one_clear_error(monkeypatch):
 
 
 def test_the_benchmark_imports_neither_torch_nor_the_reference_without_the_flag():
-    code = ("import sys, changecap_jax.benchmark; "
+    code = ("import sys, changecap_jax.tools.benchmark; "
             "print(sorted(m for m in sys.modules if m == 'torch' or 'torch_reference' in m "
-            "or m == 'changecap_jax.benchmark_torch'))")
+            "or m == 'changecap_jax.tools.benchmark_torch'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -224,9 +224,9 @@ def test_extraction_path_reads_a_gifs_first_frame(tmp_path):
     torch = pytest.importorskip("torch")
     from PIL import Image
 
-    from data_prep.extract_features import extract_features
-    from data_prep.preprocess import read_rgb
-    from data_prep.resnet import ResNet
+    from changecap_jax.features.extract import extract_features
+    from changecap_jax.features.preprocess import read_rgb
+    from changecap_jax.features.resnet import ResNet
 
     torch.manual_seed(0)
     weights = tmp_path / "resnet101.pth"

@@ -13,7 +13,7 @@ from builder_helpers import build, records, texts, write_feature, write_image, w
 from conftest import shared_file
 
 from changecap_jax.data.vocab import END_ID, START_ID, UNK_ID, Vocabulary
-from changecap_jax.evaluation import references_from_coco
+from changecap_jax.evaluators.results import references_from_coco
 from data_prep.builders.base import BuildError
 from data_prep.builders.spot_the_diff import (
     NO_SENTENCE_TARGET,

@@ -1,4 +1,4 @@
-"""Damaged checkpoints (changecap_jax/checkpoints.py): eval, resume and export pass them with
+"""Damaged checkpoints (changecap_jax/io/checkpoints.py): eval, resume and export pass them with
 one warning line; a damaged step named explicitly, or no intact step at all, is a clear
 error. One 4-step run (checkpoints at 2 and 4) is shared; each test damages its own copy."""
 
@@ -16,14 +16,16 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import tiny_config
 
-from changecap_jax import checkpoints, export, train
+from changecap_jax.inference import export
+from changecap_jax.io import checkpoints
+from changecap_jax.trainers import captioning, loop, update
 
 
 @pytest.fixture(scope="module")
 def run(small_synthetic, tmp_path_factory) -> dict:
     data_dir = str(small_synthetic.directory.parents[2])
     workdir = tmp_path_factory.mktemp("fallback") / "run"
-    trainer = train.Trainer(_config(data_dir), workdir)
+    trainer = captioning.Trainer(_config(data_dir), workdir)
     fresh = trainer.init_state()
     with pytest.MonkeyPatch.context() as patch:
         _reuse_fresh_state(patch, fresh)
@@ -32,11 +34,11 @@ def run(small_synthetic, tmp_path_factory) -> dict:
             "fresh": fresh, "train_step": trainer.train_step}
 
 
-def _reuse_fresh_state(patch: pytest.MonkeyPatch, fresh: train.TrainState) -> None:
+def _reuse_fresh_state(patch: pytest.MonkeyPatch, fresh: update.TrainState) -> None:
     """Every trainer starts from copies of one fresh state: ``init_state`` compiles the
     model's initialisation anew at each call (seconds each), and only its shapes matter to a
     restore. Copies, because the train step donates its input state."""
-    patch.setattr(train.Trainer, "init_state", lambda self: jax.tree.map(jnp.copy, fresh))
+    patch.setattr(captioning.Trainer, "init_state", lambda self: jax.tree.map(jnp.copy, fresh))
 
 
 def _config(data_dir: str, **overrides):
@@ -76,9 +78,10 @@ def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, mo
     _reuse_fresh_state(monkeypatch, run["fresh"])
     scored = []
     with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
-        patch.setattr(train.Trainer, "evaluate",  # the decoding is not what this tests
+        patch.setattr(captioning.Trainer, "evaluate",  # the decoding is not what this tests
                       lambda self, state, split, step, writer=None: scored.append(step) or {})
-        train.evaluate_checkpoint(_config(run["data_dir"], final_eval_splits=("val",)), workdir)
+        captioning.evaluate_checkpoint(_config(run["data_dir"], final_eval_splits=("val",)),
+                                       workdir)
     assert scored == [2]
     (message,) = _damage_messages(caplog)
     assert message.startswith(f"checkpoint 4 in {workdir / 'checkpoints'} is damaged (")
@@ -86,7 +89,7 @@ def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, mo
     assert _steps(workdir) == [2, 4]  # eval leaves the workdir as it is
 
     caplog.clear()
-    resumed = train.Trainer(_config(run["data_dir"]), workdir)
+    resumed = captioning.Trainer(_config(run["data_dir"]), workdir)
     resumed.train_step = run["train_step"]  # the same update, compiled once for the module
     with caplog.at_level(logging.WARNING):
         resumed.train()
@@ -95,7 +98,7 @@ def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, mo
     # Steps 3 and 4 again, exactly as the uninterrupted run made them.
     losses = [(step, m["loss"], m["loss/dirl"]) for step, m in resumed.history]
     assert losses == [(step, m["loss"], m["loss/dirl"]) for step, m in run["history"][2:]]
-    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    lines = (workdir / loop.SCALARS_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     # The new step 4 was saved beside the damaged one kept for inspection, and restores.
     assert _steps(workdir) == [2, 4] and (workdir / "checkpoints" / "4.damaged").is_dir()
@@ -114,7 +117,7 @@ def test_a_damaged_step_named_explicitly_is_an_error(run, tmp_path, monkeypatch)
     config = _config(run["data_dir"], final_eval_splits=("val",))
     with pytest.raises(checkpoints.CheckpointError,
                        match=r"^checkpoint 4 in .* is damaged \(.+\); intact steps: \[2\]$"):
-        train.evaluate_checkpoint(config, workdir, step=4)
+        captioning.evaluate_checkpoint(config, workdir, step=4)
     manager = checkpoints.make_checkpoint_manager(workdir / "checkpoints", 3)
     with pytest.raises(checkpoints.CheckpointError, match=r"no checkpoint of step 3 .*\[2, 4\]"):
         checkpoints.restore(manager, lambda step, items: {}, step=3)
@@ -128,7 +131,7 @@ def test_no_intact_step_is_an_error_naming_each(run, tmp_path, monkeypatch):
     # Step 2's model state is whole, but its data iterator's state is not: damaged too.
     (workdir / "checkpoints" / "2" / "data" / "process_0-of-1.json").write_text('{"format"')
     with pytest.raises(checkpoints.CheckpointError) as error:
-        train.Trainer(_config(run["data_dir"]), workdir).train()
+        captioning.Trainer(_config(run["data_dir"]), workdir).train()
     message = str(error.value)
     assert message.startswith(f"no intact checkpoint in {workdir / 'checkpoints'}")
     assert "step 4: unreadable arrays" in message and "step 2: data/process_0-of-1.json" in message

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import decoding, losses, parallel
+from changecap_jax import parallel
+from changecap_jax.inference import decoding
+from changecap_jax.models import losses
 from changecap_jax.models.cheers import (
     CHEERS,
     GatedDecoderLayer,

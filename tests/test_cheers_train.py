@@ -14,8 +14,10 @@ import pytest
 from entity_helpers import write_retrieval
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
-from changecap_jax import export, models, predict, train
+from changecap_jax import models
 from changecap_jax.data import datasets, pipeline
+from changecap_jax.inference import export, predict
+from changecap_jax.trainers import captioning
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,7 +79,7 @@ def test_evaluation_lists_the_entities(data_dir, tmp_path):
     # Evaluation of the initial parameters: what is tested is which entities each pair got,
     # not the captions (training through the trunk is the 8-device test's step).
     config = tiny_cheers(data_dir)
-    trainer = train.Trainer(config, tmp_path)
+    trainer = captioning.Trainer(config, tmp_path)
     state = trainer.init_state()
     metrics = trainer.evaluate(state, "test", 0)
     assert np.isfinite(metrics["CIDEr"])
@@ -103,24 +105,24 @@ def test_evaluation_lists_the_entities(data_dir, tmp_path):
 def test_baseline_ablation_needs_no_retrieval(tmp_path):
     root = tmp_path / "data"
     datasets.prepare("synthetic", root, "moderate", SMALL)  # no entity_retrieval/
-    trainer = train.Trainer(tiny_cheers(str(root), "synthetic/baseline"), tmp_path / "w")
+    trainer = captioning.Trainer(tiny_cheers(str(root), "synthetic/baseline"), tmp_path / "w")
     assert trainer.dataset.entities is None
     # Without first-use preparation (the real datasets' case) the error names the commands.
     config = tiny_cheers(str(root))
     config.dataset.build_if_missing = False
     with pytest.raises(datasets.DatasetError, match="data_prep.retrieval"):
-        train.Trainer(config, tmp_path / "w2")
+        captioning.Trainer(config, tmp_path / "w2")
 
 
 def test_entity_width_mismatch_names_the_field(data_dir, tmp_path):
     config = tiny_cheers(data_dir)
     config.model.entity_dim = 5
     with pytest.raises(datasets.DatasetError, match="entity_dim=8"):
-        train.Trainer(config, tmp_path)
+        captioning.Trainer(config, tmp_path)
     config = tiny_cheers(data_dir)
     config.model.num_entities = 4  # the retrieval kept 3
     with pytest.raises(datasets.DatasetError, match="--k=4"):
-        train.Trainer(config, tmp_path)
+        captioning.Trainer(config, tmp_path)
 
 
 def test_ablation_presets():
@@ -141,10 +143,10 @@ def test_ablation_presets():
 # its official-code adapter, its torch reference and the three registries. Every other module
 # is trunk.
 PER_MODEL_FILES = {"changecap_jax/models/__init__.py", "changecap_jax/convert/registry.py",
-                   "changecap_jax/reproduce/adapters.py",
+                   "changecap_jax/tools/reproduce/adapters.py",
                    "changecap_jax/models/idc_pcl_pretraining.py",
-                   "changecap_jax/torch_reference/__init__.py",
-                   *(f"changecap_jax/torch_reference/{name}.py" for name in
+                   "changecap_jax/tools/torch_reference/__init__.py",
+                   *(f"changecap_jax/tools/torch_reference/{name}.py" for name in
                      ("dirl", "scorer", "dirl_step", "scorer_step")),
                    *(f"changecap_jax/models/{name}.py" for name in
                      ("dirl", "scorer", "subtraction", "cheers", "idc_pcl")),

@@ -19,9 +19,11 @@ import pytest
 from absl import flags
 from tqdm import tqdm
 
-from changecap_jax import cli, console, host_memory
-from changecap_jax import evaluation as ev
+from changecap_jax import cli, console
+from changecap_jax.cpu import host_memory
 from changecap_jax.errors import UserError
+from changecap_jax.evaluators import captions as ev
+from changecap_jax.evaluators import results
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = ["changecap_jax.main", "--config=configs/dirl.py"]
@@ -45,15 +47,15 @@ CASES = {
                                  "--workdir={tmp}/w"], ["{tmp}/model"]),
     "eval without checkpoints": ([*MAIN, "--mode=eval", "--workdir={tmp}/w"],
                                  ["{tmp}/w/checkpoints"]),
-    "export of a missing workdir": (["changecap_jax.export", "--workdir={tmp}/w",
+    "export of a missing workdir": (["changecap_jax", "export", "--workdir={tmp}/w",
                                      "--out={tmp}/out"], ["{tmp}/w"]),
-    "report of a missing workdir": (["changecap_jax.report", "--workdir={tmp}/w"], ["{tmp}/w"]),
+    "report of a missing workdir": (["changecap_jax", "report", "--workdir={tmp}/w"], ["{tmp}/w"]),
     "batch size 0": ([*MAIN, "--config.batch_size=0", "--workdir={tmp}/w",
                       "--config.dataset.data_dir={tmp}/data"],
                      ["config.batch_size is 0", "positive multiple of the number of devices"]),
-    "config.json not JSON": (["changecap_jax.report", "--workdir={tmp}/broken"],
+    "config.json not JSON": (["changecap_jax", "report", "--workdir={tmp}/broken"],
                              ["{tmp}/broken/config.json is not valid JSON"]),
-    "predict: not an image": (["changecap_jax.predict", "--model={tmp}/model",
+    "predict: not an image": (["changecap_jax", "predict", "--model={tmp}/model",
                                "--before={tmp}/text.png", "--after={tmp}/text.png"],
                               ["cannot read image {tmp}/text.png"]),
 }
@@ -76,7 +78,7 @@ def test_user_error_is_one_line_and_status_2(case, tmp_path):
     (tmp_path / "text.png").write_text("not an image")
     # An evaluated run whose config.json was cut short.
     record = ev.PairCaption("0.png", "a cube moved", ["a cube moved"], "move")
-    ev.write_results(tmp_path / "broken", "test", 3, [record], {"CIDEr": 1.0})
+    results.write_results(tmp_path / "broken", "test", 3, [record], {"CIDEr": 1.0})
     (tmp_path / "broken" / "config.json").write_text('{"model": ')
     done = _run(args, tmp_path)
     lines = _lines(done.stderr)
@@ -204,16 +206,17 @@ def test_spice_note_is_logged_once(monkeypatch, caplog):
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_run_ends_with_its_outputs_and_the_report_command(monkeypatch, tmp_path, capsys, mode):
-    from changecap_jax import export, train
     from changecap_jax import main as entry
+    from changecap_jax.io import run_config
+    from changecap_jax.trainers import captioning
 
     workdir = tmp_path / "run dir"  # a space: the printed command quotes the path
     (workdir / "checkpoints" / "3").mkdir(parents=True)
 
     def outputs(config, *_args) -> None:  # what a run writes, without training
-        export.save_config(workdir, config)
+        run_config.save_config(workdir, config)
         record = ev.PairCaption("0.png", "a cube moved", ["a cube moved"], "move")
-        ev.write_results(workdir, "val", 3, [record], {"CIDEr": 1.0})
+        results.write_results(workdir, "val", 3, [record], {"CIDEr": 1.0})
 
     class Trainer:
         def __init__(self, config, workdir):
@@ -222,8 +225,8 @@ def test_run_ends_with_its_outputs_and_the_report_command(monkeypatch, tmp_path,
         def train(self) -> None:
             outputs(self.config)
 
-    monkeypatch.setattr(train, "Trainer", Trainer)
-    monkeypatch.setattr(train, "evaluate_checkpoint", outputs)
+    monkeypatch.setattr(captioning, "Trainer", Trainer)
+    monkeypatch.setattr(captioning, "evaluate_checkpoint", outputs)
     argv = ["main", "--config=configs/dirl.py", f"--workdir={workdir}", f"--mode={mode}"]
     monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
     monkeypatch.chdir(REPO)
@@ -235,5 +238,5 @@ def test_run_ends_with_its_outputs_and_the_report_command(monkeypatch, tmp_path,
     last = capsys.readouterr().out.splitlines()[-1]
     quoted = f"'{workdir}'"
     assert last == (f"done: metrics {workdir}/metrics, captions {workdir}/captions, checkpoints "
-                    f"{workdir}/checkpoints; HTML report: python -m changecap_jax.report "
+                    f"{workdir}/checkpoints; HTML report: python -m changecap_jax report "
                     f"--workdir={quoted} --split=val")

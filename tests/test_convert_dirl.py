@@ -1,5 +1,5 @@
 """Official DIRL+CCR snapshot -> orbax checkpoint (changecap_jax/convert), checked tensor by tensor
-against the independent torch reference (changecap_jax/torch_reference/dirl.py), both decoder
+against the independent torch reference (changecap_jax/tools/torch_reference/dirl.py), both decoder
 variants.
 
 Reference: docs/official/ §1.1 (conversion rules), §1.2 (Adam, padding
@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from torch_reference import snapshot as tsnapshot  # noqa: E402
 
-from changecap_jax import decoding, models, parallel, train  # noqa: E402
+from changecap_jax import models, parallel  # noqa: E402
 from changecap_jax.convert import (  # noqa: E402
     CheckpointFormatError,
     ConversionError,
@@ -51,8 +51,10 @@ from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     load_torch_file,
     read_official_snapshot,
 )
-from changecap_jax.torch_reference import dirl as tdirl  # noqa: E402
-from changecap_jax.torch_reference import scorer as tscorer  # noqa: E402
+from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
+from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
+from changecap_jax.trainers import captioning, optimizers, update  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -276,12 +278,12 @@ def _check_gradients(variant, config, params, ours_batch, tb, enc, dec, entries)
     torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
-    loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
+    loss_fn = captioning.make_loss_fn(model, dict(config.loss_weights), mesh)
     sharded = jax.device_put({k: jnp.asarray(v) for k, v in ours_batch.items()},
                              parallel.batch_sharding(mesh))
     grad_fn = jax.jit(jax.grad(lambda p: loss_fn(p, sharded, jax.random.PRNGKey(0))[0]))
     replicated = jax.device_put(params, parallel.replicated(mesh))
-    grads = train.zero_gradient_rows(grad_fn(replicated), dict(config.optim.zero_grad_rows))
+    grads = update.zero_gradient_rows(grad_fn(replicated), dict(config.optim.zero_grad_rows))
     grads = jax.device_get(grads)
     flat_grads = {k: np.asarray(v) for k, v in
                   flax.traverse_util.flatten_dict(grads, sep="/").items()}
@@ -315,7 +317,7 @@ def _check_adam_step(variant, config, params, gradients, enc, dec, entries,
     grads, flat_grads, ref_grads, noise, largest = gradients
     assert (config.optim.learning_rate, config.optim.b1, config.optim.b2, config.optim.eps) == (
         2e-4, 0.9, 0.999, 1e-8)
-    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch=100)
+    optimizer, _ = optimizers.make_optimizer(config.optim, steps_per_epoch=100)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     stepped = flax.traverse_util.flatten_dict(
         optax.apply_updates(params, updates), sep="/")
@@ -704,7 +706,7 @@ def test_convert_then_evaluate(small_synthetic, tmp_path):
     workdir = tmp_path / "workdir"
     report = converter.convert_checkpoint(config, path, workdir)
     assert report.dataset == "synthetic" and report.saved_data_iterator and report.step == 300
-    results = train.evaluate_checkpoint(config, workdir)
+    results = captioning.evaluate_checkpoint(config, workdir)
     metrics_file = workdir / "metrics" / "test_300.json"
     assert metrics_file.exists(), sorted(p.name for p in workdir.rglob("*"))
     metrics = json.loads(metrics_file.read_text())

@@ -1,5 +1,5 @@
 """Official SCORER+CBR snapshot (+ the CBR state_dict) -> orbax checkpoint (changecap_jax/convert),
-checked against the independent torch reference (changecap_jax/torch_reference/scorer.py).
+checked against the independent torch reference (changecap_jax/tools/torch_reference/scorer.py).
 
 Reference: docs/official/ §1.1 (conversion rules), §3 (SCORER+CBR), §3.6
 (snapshot), §7 (parity checklist), Appendix A (keys). Random seeded weights at small sizes
@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from torch_reference import snapshot as tsnapshot  # noqa: E402
 
-from changecap_jax import decoding, models, parallel, train  # noqa: E402
+from changecap_jax import models, parallel  # noqa: E402
 from changecap_jax.convert import (  # noqa: E402
     ConversionError,
     KeyMismatchError,
@@ -39,8 +39,10 @@ from changecap_jax.convert import (  # noqa: E402
 from changecap_jax.convert.models import scorer as scorer_converter  # noqa: E402
 from changecap_jax.convert.models.scorer import GENERATOR  # noqa: E402
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
-from changecap_jax.torch_reference import dirl as tdirl  # noqa: E402
-from changecap_jax.torch_reference import scorer as tscorer  # noqa: E402
+from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
+from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
+from changecap_jax.trainers import captioning, optimizers, update  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -217,11 +219,11 @@ def _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries):
     torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
-    loss_fn = train.make_loss_fn(model, dict(config.loss_weights), mesh)
+    loss_fn = captioning.make_loss_fn(model, dict(config.loss_weights), mesh)
     sharded = jax.device_put({k: jnp.asarray(v) for k, v in ours_batch.items()},
                              parallel.batch_sharding(mesh))
     grad_fn = jax.jit(jax.grad(lambda p: loss_fn(p, sharded, jax.random.PRNGKey(0))[0]))
-    grads = train.zero_gradient_rows(grad_fn(jax.device_put(params, parallel.replicated(mesh))),
+    grads = update.zero_gradient_rows(grad_fn(jax.device_put(params, parallel.replicated(mesh))),
                                      dict(config.optim.zero_grad_rows))
     grads = jax.device_get(grads)
     flat_grads = {k: np.asarray(v) for k, v in
@@ -261,7 +263,7 @@ def _check_adam_step(config, model, params, gradients, enc, dec, gen, entries,
     with torch.no_grad():
         enc.scorer[1].attention.logit_scale.fill_(4.7)
         gen.contra.logit_scale.fill_(4.8)
-    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch=100)
+    optimizer, _ = optimizers.make_optimizer(config.optim, steps_per_epoch=100)
     updates, _ = optimizer.update(grads, optimizer.init(start), start)
     stepped = model.post_update(optax.apply_updates(start, updates))
     stepped = {k: np.asarray(v) for k, v in flax.traverse_util.flatten_dict(stepped,
@@ -474,7 +476,7 @@ def test_convert_command_then_evaluate(small_synthetic, tmp_path):
     config.model.update(hidden_dim=32, num_heads=4, word_dim=16)
     config.update(eval_batch_size=8, final_eval_splits=("test",))
     config.spice = "off"
-    results = train.evaluate_checkpoint(config, workdir)
+    results = captioning.evaluate_checkpoint(config, workdir)
     metrics = json.loads((workdir / "metrics" / "test_40.json").read_text())
     assert metrics["CIDEr"] == pytest.approx(results["test"]["CIDEr"])
     assert set(metrics) >= {"Bleu_4", "METEOR", "ROUGE_L", "CIDEr"}

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from changecap_jax.data import extra_source
 from changecap_jax.data.vocab import UNK_ID, Vocabulary
 from data_prep import cross_task as ct
 
@@ -393,8 +394,7 @@ def test_build_is_atomic_and_checks_its_inputs(tmp_path):
 
 def test_resnet_feature_fn_loads_the_weights_once(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
-    from data_prep import extract_features as ef
-    from data_prep import resnet
+    from changecap_jax.features import extract, resnet
 
     class Tiny(torch.nn.Module):
         layer = 4
@@ -411,7 +411,7 @@ def test_resnet_feature_fn_loads_the_weights_once(tmp_path, monkeypatch):
                           progress=False)
     assert loads == [(tmp_path / "r101.pth", 4)]
     train = [e.image_path for e in source.split("train")]
-    direct = np.stack([f for _, f in ef.extract_features(train, Tiny(), 4)])  # (N, C, H, W)
+    direct = np.stack([f for _, f in extract.extract_features(train, Tiny(), 4)])  # (N, C, H, W)
     got = ct.load_split(out, "train")["features"]
     assert got.shape == (6, 2, 3, 3)
     np.testing.assert_allclose(got, direct.transpose(0, 2, 3, 1), rtol=1e-6)
@@ -455,12 +455,12 @@ def test_cli_with_precomputed_features(tmp_path):
 
 def test_classification_pairs_half_same_class():
     labels = [0, 0, 1, 1, 2, 2, 2]
-    pairs = ct.classification_pairs(labels, 40, seed=1)
+    pairs = extra_source.classification_pairs(labels, 40, seed=1)
     same = [labels[i] == labels[j] for i, j, _ in pairs]
     assert same == [True] * 20 + [False] * 20
     assert all(i != j for i, j, _ in pairs)
     np.testing.assert_array_equal(pairs[:, 2], same)
-    np.testing.assert_array_equal(pairs, ct.classification_pairs(labels, 40, seed=1))
+    np.testing.assert_array_equal(pairs, extra_source.classification_pairs(labels, 40, seed=1))
 
 
 @pytest.mark.parametrize("batch_size,ratio,cycle", [(20, (4, 1), 5), (64, (4, 1), 5),

@@ -1,4 +1,5 @@
-"""Cached greedy / sampling decoding (changecap_jax/decoding.py) on a tiny random DIRLCCR."""
+"""Cached greedy / sampling decoding (changecap_jax/inference/decoding.py) on a tiny random
+DIRLCCR."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import decoding
+from changecap_jax.inference import decoding
 from changecap_jax.models.dirl import DIRLCCR
 
 B, H, W, C, L, V = 6, 4, 4, 6, 8, 12

@@ -1,4 +1,4 @@
-"""The difficulty-binned evaluation (changecap_jax/difficulty.py, evaluators.DifficultyBins):
+"""The difficulty-binned evaluation (changecap_jax/evaluators/difficulty.py, common.DifficultyBins):
 viewpoint IoU, quantile bins, change words, the pointing game on constructed attention whose
 answer is known, the synthetic builder's IoU fields, and a tiny training run's metrics."""
 
@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import difficulty, evaluation, evaluators
+from changecap_jax.data import boxes as geometry
 from changecap_jax.data import datasets
 from changecap_jax.data.synthetic import builder, render, scenes
+from changecap_jax.evaluators import captions as ev
+from changecap_jax.evaluators import common, difficulty, tokenize
 from changecap_jax.models.base import ATTENTION
 from tests.train_helpers import SMALL, tiny_config
 
@@ -24,14 +26,14 @@ GRID = (4, 4)  # 16 x 16 pixel cells
 
 
 def test_box_iou_and_the_viewpoint_mean():
-    assert difficulty.box_iou([0, 0, 10, 10], [5, 0, 10, 10]) == pytest.approx(50 / 150)
-    assert difficulty.box_iou([0, 0, 10, 10], [0, 0, 10, 10]) == 1.0
-    assert difficulty.box_iou([0, 0, 10, 10], [20, 20, 5, 5]) == 0.0
+    assert geometry.box_iou([0, 0, 10, 10], [5, 0, 10, 10]) == pytest.approx(50 / 150)
+    assert geometry.box_iou([0, 0, 10, 10], [0, 0, 10, 10]) == 1.0
+    assert geometry.box_iou([0, 0, 10, 10], [20, 20, 5, 5]) == 0.0
     # Hidden (0 size) and absent (-1) boxes leave the mean; nothing left gives NaN.
     pairs = [([0, 0, 10, 10], [5, 0, 10, 10]), ([0, 0, 4, 4], [0, 0, 4, 4]),
              ([0, 0, 0, 0], [1, 1, 3, 3]), ([-1, -1, -1, -1], [0, 0, 2, 2])]
-    assert difficulty.mean_box_iou(pairs) == pytest.approx((50 / 150 + 1.0) / 2)
-    assert np.isnan(difficulty.mean_box_iou(pairs[2:]))
+    assert geometry.mean_box_iou(pairs) == pytest.approx((50 / 150 + 1.0) / 2)
+    assert np.isnan(geometry.mean_box_iou(pairs[2:]))
 
 
 def test_quantile_bins_sort_ascending_drop_nan_and_split_evenly():
@@ -56,7 +58,7 @@ def test_change_words_are_the_first_run_of_object_words():
 
 
 def test_cell_fractions_cover_the_box_area():
-    fractions = difficulty.cell_fractions(GRID, IMAGE, [8, 16, 24, 16])
+    fractions = geometry.cell_fractions(GRID, IMAGE, [8, 16, 24, 16])
     assert fractions.sum() * 16 * 16 == pytest.approx(24 * 16)
     np.testing.assert_allclose(fractions[1], [0.5, 1.0, 0.0, 0.0])
     assert fractions[[0, 2, 3]].sum() == 0
@@ -82,16 +84,16 @@ def _supersampled_union(grid, image_size, boxes, factor=40):
     [[20, 20, 100, 60], [40, 30, 20, 20], [30, 25, 50, 50]],  # nested, three boxes
 ])
 def test_union_fractions_match_a_supersampled_union(boxes):
-    got = difficulty.union_fractions((4, 4), (100, 200), boxes)
+    got = geometry.union_fractions((4, 4), (100, 200), boxes)
     np.testing.assert_allclose(got, _supersampled_union((4, 4), (100, 200), boxes), atol=0.02)
     single = [b for b in boxes if b[2] > 0]
     if len(single) == 1:
-        np.testing.assert_allclose(got, difficulty.cell_fractions((4, 4), (100, 200), single[0]))
+        np.testing.assert_allclose(got, geometry.cell_fractions((4, 4), (100, 200), single[0]))
 
 
 @pytest.mark.parametrize("box", [[16, 0, 16, 32], [10, 20, 30, 25]])
 def test_pointing_known_answers(box):
-    fractions = difficulty.cell_fractions(GRID, IMAGE, box)
+    fractions = geometry.cell_fractions(GRID, IMAGE, box)
     share = box[2] * box[3] / (IMAGE[0] * IMAGE[1])
     inside = np.unravel_index(np.argmax(fractions), GRID)
     peaked = np.full(GRID, 0.01)
@@ -99,12 +101,12 @@ def test_pointing_known_answers(box):
     uniform = np.ones(GRID)
     outside = np.full(GRID, 0.01)
     outside[np.unravel_index(np.argmin(fractions), GRID)] = 1.0
-    assert difficulty.pointing_score(peaked, fractions) == pytest.approx(fractions[inside])
-    assert difficulty.pointing_score(uniform, fractions) == pytest.approx(share)
-    assert difficulty.attention_in_box(uniform, fractions) == pytest.approx(share)
-    assert difficulty.pointing_score(outside, fractions) == 0.0
+    assert geometry.pointing_score(peaked, fractions) == pytest.approx(fractions[inside])
+    assert geometry.pointing_score(uniform, fractions) == pytest.approx(share)
+    assert geometry.attention_in_box(uniform, fractions) == pytest.approx(share)
+    assert geometry.pointing_score(outside, fractions) == 0.0
     if fractions.max() == 1.0:
-        assert difficulty.pointing_score(peaked, fractions) == 1.0
+        assert geometry.pointing_score(peaked, fractions) == 1.0
 
 
 def test_score_pair_counts_each_present_box_once():
@@ -131,7 +133,7 @@ def test_synthetic_viewpoint_iou_is_one_without_a_camera_move():
             pairs = scenes.same_objects(ex)
             assert all(ex.before[i] == ex.after[j] for i, j in pairs), ex.change_type
             assert len(pairs) == len(ex.before) - (ex.change_type != "add")
-            iou = difficulty.mean_box_iou([(boxes["before"][i], boxes["after"][j])
+            iou = geometry.mean_box_iou([(boxes["before"][i], boxes["after"][j])
                                            for i, j in pairs])
             assert (iou == pytest.approx(1.0)) == expect_one, (variant, ex.change_type, iou)
 
@@ -159,7 +161,7 @@ def test_evaluator_pointing_on_constructed_attention():
     dataset = types.SimpleNamespace(
         vocab=types.SimpleNamespace(id_to_word=dict(enumerate(words))),
         meta=types.SimpleNamespace(image_size=IMAGE))
-    evaluator = evaluators.DifficultyBins(PointingModel(), jnp.float32, dataset, num_bins=2)
+    evaluator = common.DifficultyBins(PointingModel(), jnp.float32, dataset, num_bins=2)
     evaluator.start("test")
     logits = np.zeros((2, *GRID, 3), np.float32)
     logits[0, 1, 2, 0] = 30.0  # pair 0: attention on the box; pair 1: uniform
@@ -167,9 +169,9 @@ def test_evaluator_pointing_on_constructed_attention():
     ids = np.array([[1, 3, 4, 5, 6, 2, 0]] * 2)
     records = [{"bbox_before": box, "bbox_after": box, "viewpoint_iou_semantic": np.float32(v)}
                for v in (0.3, 0.8)]
-    captions = [evaluation.PairCaption(f"{i:06d}.png", "the red cube moved",
+    captions = [ev.PairCaption(f"{i:06d}.png", "the red cube moved",
                                        ["the red cube moved"], "move") for i in range(2)]
-    evaluator.add(evaluators.EvalBatch(
+    evaluator.add(common.EvalBatch(
         {}, {"before": jnp.asarray(logits), "after_semantic": jnp.asarray(logits)},
         {"semantic": "after_semantic"}, np.arange(2),
         [("semantic", r, c) for r, c in zip(records, captions, strict=True)],
@@ -191,7 +193,7 @@ def test_bins_are_scored_alone():
     equal scoring that bin's pairs alone; the hardest bin comes first."""
     dataset = types.SimpleNamespace(vocab=types.SimpleNamespace(id_to_word={}),
                                     meta=types.SimpleNamespace(image_size=None))
-    evaluator = evaluators.DifficultyBins(PointingModel(), jnp.float32, dataset, num_bins=3)
+    evaluator = common.DifficultyBins(PointingModel(), jnp.float32, dataset, num_bins=3)
     evaluator.start("test")
     ious = [0.9, 0.1, 0.5, 0.2, 0.7, 0.4]
     generated = ["the red cube moved", "the blue ball is gone", "a cube", "the red cube moved",
@@ -200,19 +202,19 @@ def test_bins_are_scored_alone():
                   ["the blue sphere is gone"], ["the small cube has been added"],
                   ["the red cube moved"], ["the green thing turned red"],
                   ["the big sphere is missing"]]
-    captions = [evaluation.PairCaption(f"{i:06d}.png", g, r, "move")
+    captions = [ev.PairCaption(f"{i:06d}.png", g, r, "move")
                 for i, (g, r) in enumerate(zip(generated, references, strict=True))]
     records = [{"viewpoint_iou_semantic": np.float32(v)} for v in ious]
-    evaluator.add(evaluators.EvalBatch(
+    evaluator.add(common.EvalBatch(
         {}, {}, {"semantic": "after_semantic"}, np.arange(6),
         [("semantic", r, c) for r, c in zip(records, captions, strict=True)]))
     rows = evaluator.finish(captions)["difficulty"]["bins"]["semantic"]
     assert [r["num_pairs"] for r in rows] == [2, 2, 2]
-    # Each expected group scored as its own COCOEvalCap run (evaluation.score_tokenized's
+    # Each expected group scored as its own COCOEvalCap run (ev.score_tokenized's
     # subsets, tested against scoring alone in test_evaluation.py).
     groups = ([1, 3], [5, 2], [4, 0])
-    alone = evaluation.score_tokenized(
-        evaluation.tokenize_captions({c.image_id: c.caption for c in captions},
+    alone = ev.score_tokenized(
+        tokenize.tokenize_captions({c.image_id: c.caption for c in captions},
                                      {c.image_id: c.references for c in captions}),
         {k: [captions[i].image_id for i in g] for k, g in enumerate(groups)}, spice="off")
     for k, (row, members) in enumerate(zip(rows, groups, strict=True)):
@@ -233,10 +235,10 @@ def data_dir(tmp_path_factory):
 def test_trainer_evaluation_writes_binned_metrics(data_dir, tmp_path):
     """The trainer's evaluation carries each record's IoU and boxes to the evaluator: bins of
     the records' IoUs, every semantic pair scored or counted, the per-pair fields written."""
-    from changecap_jax import train
+    from changecap_jax.trainers import captioning
 
     config = tiny_config(data_dir, spice="off", difficulty_bins=3)
-    trainer = train.Trainer(config, tmp_path)
+    trainer = captioning.Trainer(config, tmp_path)
     entry = trainer.evaluate(trainer.init_state(), "test", 0)["difficulty"]
     source = trainer.dataset.split("test")
     captions = json.loads((tmp_path / "captions" / "test_0.json").read_text())

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from ablation_helpers import assert_switches_exactly, flatten, semantic_batch
 
-from changecap_jax import losses, models
+from changecap_jax import models
+from changecap_jax.models import losses
 from configs import common
 from configs import dirl as dirl_config
 

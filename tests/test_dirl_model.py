@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from changecap_jax.data.streams import make_caption_targets
-from changecap_jax.losses import barlow_correlation_loss, ccr_infonce_loss
 from changecap_jax.models.base import IGNORE_INDEX, ModelOutput
 from changecap_jax.models.dirl import DIRLCCR
 from changecap_jax.models.layers import (
@@ -27,6 +26,7 @@ from changecap_jax.models.layers import (
     make_attention_mask,
     sinusoid_table,
 )
+from changecap_jax.models.losses import barlow_correlation_loss, ccr_infonce_loss
 
 B, H, W, C, L, V = 4, 4, 4, 6, 8, 12
 TINY = dict(

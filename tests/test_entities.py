@@ -16,7 +16,7 @@ import pytest
 from conftest import SMALL, shared_file
 
 from changecap_jax.data.synthetic import scenes
-from data_prep import entities as E
+from changecap_jax.prep import entities
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_every_synthetic_template_and_description_is_exact():
                                                          nouns):
             d = " ".join((*s, *c, *m, noun))
             caption = template.format(d="the " + d, v=values.get(change_type, ""))
-            assert E.rule_subject(caption) == (d, None), caption
+            assert entities.rule_subject(caption) == (d, None), caption
             checked += 1
     assert checked == 16 * 5 * 9 * 6 * 7
 
@@ -143,7 +143,7 @@ def test_synthetic_captions_give_the_changed_object(change_type):
             assert matches, caption
             j, match = matches[0]
             seen.add(j)
-            entity, reason = E.rule_subject(caption)
+            entity, reason = entities.rule_subject(caption)
             assert reason is None and "the " + entity == match.group("d"), caption
             for word in entity.split()[:-1]:
                 field, value = _attribute_of(word)
@@ -152,18 +152,18 @@ def test_synthetic_captions_give_the_changed_object(change_type):
             assert noun in scenes.GENERIC_WORDS or _attribute_of(noun) == ("shape", obj.shape)
             captions.append(caption)
     assert seen == set(range(len(regexes)))
-    extraction = E.extract_entities(captions, backend="rules")
+    extraction = entities.extract_entities(captions, backend="rules")
     assert extraction.parse_rate == 1.0 and not extraction.unparsed
 
 
 def test_no_change_captions_are_recognised_not_failures():
     for caption in scenes.NO_CHANGE_CAPTIONS:
-        assert E.is_no_change(caption), caption
+        assert entities.is_no_change(caption), caption
     for caption in ("there are no differences", "no difference", "the images look the same"):
-        assert E.is_no_change(caption), caption
+        assert entities.is_no_change(caption), caption
     for caption in ("there is no car in the lot", "there is no longer a car", "the car is gone"):
-        assert not E.is_no_change(caption), caption
-    extraction = E.extract_entities([*scenes.NO_CHANGE_CAPTIONS, "", "the cube moved"],
+        assert not entities.is_no_change(caption), caption
+    extraction = entities.extract_entities([*scenes.NO_CHANGE_CAPTIONS, "", "the cube moved"],
                                     backend="rules")
     assert extraction.num_no_change == len(scenes.NO_CHANGE_CAPTIONS)
     assert extraction.num_empty == 1 and extraction.num_unparsed == 0
@@ -172,7 +172,7 @@ def test_no_change_captions_are_recognised_not_failures():
 
 def test_real_clevr_change_captions_quoted():
     for caption, subject in REAL_CLEVR_CHANGE.items():
-        assert E.rule_subject(caption) == (subject, None), caption
+        assert entities.rule_subject(caption) == (subject, None), caption
 
 
 def test_real_clevr_change_caption_file():
@@ -188,7 +188,7 @@ def test_real_clevr_change_caption_file():
     if split_path.exists():
         train = {f"CLEVR_default_{i:06d}.png" for i in json.loads(split_path.read_text())["train"]}
         captions = {k: v for k, v in captions.items() if k in train}
-    extraction = E.extract_entities(
+    extraction = entities.extract_entities(
         [c for cs in captions.values() for c in cs], backend="rules")
     assert extraction.parse_rate >= 0.999, extraction.summary(max_examples=30)
     assert extraction.num_no_change == 0
@@ -201,7 +201,7 @@ def test_real_clevr_change_caption_file():
 ])
 def test_real_spot_the_diff_and_ier_best_effort(name, path, key, threshold):
     entries = json.loads(shared_file(*path).read_text())
-    extraction = E.extract_entities([s for e in entries for s in e[key]], backend="rules")
+    extraction = entities.extract_entities([s for e in entries for s in e[key]], backend="rules")
     assert extraction.parse_rate >= threshold, extraction.summary(max_examples=30)
     assert extraction.num_unparsed == sum(
         n for c, n in _occurrences(entries, key).items() if c in extraction.unparsed)
@@ -220,43 +220,43 @@ def _occurrences(entries, key):
 
 def test_other_dataset_forms():
     for caption, subject in OTHER_FORMS.items():
-        assert E.rule_subject(caption) == (subject, None), caption
+        assert entities.rule_subject(caption) == (subject, None), caption
 
 
 def test_unparsed_report():
     captions = ["it is gone", "black car", "in the lot near the door", "is gone",
                 "the cube moved", "the cube moved", "it is gone"]
-    extraction = E.extract_entities(captions, backend="rules")
+    extraction = entities.extract_entities(captions, backend="rules")
     assert extraction.unparsed == {
-        "it is gone": E.PRONOUN, "black car": E.FRAGMENT,
-        "in the lot near the door": E.LEADING_PP, "is gone": E.NO_SUBJECT}
+        "it is gone": entities.PRONOUN, "black car": entities.FRAGMENT,
+        "in the lot near the door": entities.LEADING_PP, "is gone": entities.NO_SUBJECT}
     assert extraction.num_captions == 7 and extraction.num_parsed == 2
     assert extraction.num_unparsed == 5  # occurrences: "it is gone" twice
     assert extraction.captions["it is gone"] is None
     assert extraction.parse_rate == pytest.approx(2 / 7)
     summary = extraction.summary()
-    assert "unparsed: 5" in summary and "'black car'" in summary and E.FRAGMENT in summary
+    assert "unparsed: 5" in summary and "'black car'" in summary and entities.FRAGMENT in summary
 
 
 def test_entity_ids_counts_and_order():
     captions = ["the cube moved", "the ball moved", "the tiny ball is gone",
                 "the ball turned red", "the cube became blue", "the ball is missing"]
-    extraction = E.extract_entities(captions, backend="rules")
+    extraction = entities.extract_entities(captions, backend="rules")
     assert [(e.id, e.text, e.count) for e in extraction.entities] == [
         (0, "ball", 3), (1, "cube", 2), (2, "tiny ball", 1)]
     # the order does not depend on the caption order
-    again = E.extract_entities(reversed(captions), backend="rules")
+    again = entities.extract_entities(reversed(captions), backend="rules")
     assert again.entities == extraction.entities
     assert extraction.entity_of("the tiny ball is gone") == "tiny ball"
 
 
 def test_save_and_load_round_trip(tmp_path):
-    extraction = E.extract_entities(["the cube moved", "it moved", "nothing has changed"],
+    extraction = entities.extract_entities(["the cube moved", "it moved", "nothing has changed"],
                                     backend="rules", source={"dataset": "x"})
     path = tmp_path / "entities.json"
-    E.save_entities(path, extraction)
+    entities.save_entities(path, extraction)
     assert [p.name for p in tmp_path.iterdir()] == ["entities.json"]  # no temp file left
-    back = E.load_entities(path)
+    back = entities.load_entities(path)
     assert back == extraction
 
 
@@ -275,23 +275,23 @@ def test_save_and_load_round_trip(tmp_path):
      r"'unparsed\[1\].caption'"),
 ])
 def test_load_errors_name_file_and_key(tmp_path, mutate, key):
-    extraction = E.extract_entities(["the cube moved", "the ball moved", "the ball is gone",
+    extraction = entities.extract_entities(["the cube moved", "the ball moved", "the ball is gone",
                                      "it moved"], backend="rules")
     data = extraction.to_json()
     mutate(data)
     path = tmp_path / "entities.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + key):
-        E.load_entities(path)
+        entities.load_entities(path)
 
 
 def test_load_rejects_bad_json(tmp_path):
     path = tmp_path / "entities.json"
     path.write_text("{not json")
     with pytest.raises(ValueError, match=f"entity file {re.escape(str(path))} is not valid"):
-        E.load_entities(path)
+        entities.load_entities(path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        E.load_entities(tmp_path / "missing.json")
+        entities.load_entities(tmp_path / "missing.json")
 
 
 def test_cli_on_small_synthetic_uses_train_change_captions_only(small_synthetic, tmp_path):
@@ -308,7 +308,7 @@ def test_cli_on_small_synthetic_uses_train_change_captions_only(small_synthetic,
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "unparsed: 0" in out.stdout and f"written: {copy / 'entities.json'}" in out.stdout
-    extraction = E.load_entities(copy / "entities.json")
+    extraction = entities.load_entities(copy / "entities.json")
     assert extraction.source["split"] == "train" and extraction.backend == "rules"
 
     def captions(split, field="change_captions"):
@@ -318,9 +318,9 @@ def test_cli_on_small_synthetic_uses_train_change_captions_only(small_synthetic,
     train = captions("train")
     assert extraction.num_captions == len(train) and extraction.num_no_change == 0
     assert extraction.parse_rate == 1.0
-    expected = {E.rule_subject(c)[0] for c in train}
+    expected = {entities.rule_subject(c)[0] for c in train}
     assert set(extraction.texts) == expected
-    test_only = {E.rule_subject(c)[0] for c in captions("test")} - expected
+    test_only = {entities.rule_subject(c)[0] for c in captions("test")} - expected
     assert test_only, "the tiny dataset should have test entities that train lacks"
     assert not test_only & set(extraction.texts)
     assert not set(captions("train", "no_change_captions")) & set(extraction.captions)
@@ -342,29 +342,29 @@ def test_auto_falls_back_to_rules_with_a_logged_reason(caplog):
     except ImportError:
         kwargs, reason = {}, "spaCy is not installed"
     with caplog.at_level(logging.WARNING):
-        extraction = E.extract_entities(["the cube moved"], backend="auto", **kwargs)
+        extraction = entities.extract_entities(["the cube moved"], backend="auto", **kwargs)
     assert extraction.backend == "rules" and reason in extraction.fallback_reason
     assert reason in caplog.text and reason in extraction.summary()
     with pytest.raises(ValueError, match="needs spacy_model"):
-        E.extract_entities(["the cube moved"], backend="spacy")
+        entities.extract_entities(["the cube moved"], backend="spacy")
     with pytest.raises(ValueError, match="unknown backend"):
-        E.extract_entities(["the cube moved"], backend="nltk")
+        entities.extract_entities(["the cube moved"], backend="nltk")
 
 
 def test_spacy_backend():
     spacy = pytest.importorskip(
         "spacy", reason="spaCy is not installed: the spaCy backend (the paper's extractor) "
         "is untested here; the rules backend is")
-    model = os.environ.get("CHANGECAP_SPACY_MODEL", E.DEFAULT_SPACY_MODEL)
+    model = os.environ.get("CHANGECAP_SPACY_MODEL", entities.DEFAULT_SPACY_MODEL)
     if not (spacy.util.is_package(model) or Path(model).exists()):
         pytest.skip(f"no spaCy pipeline {model!r} installed (set CHANGECAP_SPACY_MODEL to a "
                     "package name or path)")
     captions = list(REAL_CLEVR_CHANGE)[:10] + ["there is a person walking", "it moved"]
-    extraction = E.extract_entities(captions, backend="spacy", spacy_model=model)
+    extraction = entities.extract_entities(captions, backend="spacy", spacy_model=model)
     assert extraction.backend == "spacy" and extraction.spacy_model == model
     assert extraction.captions["the tiny yellow cylinder turned brown"] == "tiny yellow cylinder"
     assert extraction.captions["there is a person walking"] == "person"
-    assert extraction.unparsed == {"it moved": E.PRONOUN}
+    assert extraction.unparsed == {"it moved": entities.PRONOUN}
 
 
 # --- spacy_subject on hand-made parses (runs without spaCy)
@@ -399,19 +399,19 @@ def test_spacy_subject_logic_on_fake_parses():
         ["det", "amod", "amod", "nsubj", "nsubj", "relcl", "prep", "det", "pobj", "ROOT",
          "prep", "pobj"],
         [3, 3, 3, 9, 5, 3, 5, 8, 6, 9, 9, 10], chunks=[(0, 4), (7, 9)])
-    assert E.spacy_subject(doc) == ("small red cube", None)  # the root's subject, not "that"
+    assert entities.spacy_subject(doc) == ("small red cube", None)  # the root's subject, not "that"
     doc = _fake_doc("there is a person walking".split(),
                     ["expl", "ROOT", "det", "attr", "acl"], [1, 1, 3, 1, 3], chunks=[(2, 4)])
-    assert E.spacy_subject(doc) == ("person", None)
+    assert entities.spacy_subject(doc) == ("person", None)
     doc = _fake_doc("there are two people that are near the car".split(),
                     ["expl", "ROOT", "nummod", "attr", "nsubj", "relcl", "prep", "det", "pobj"],
                     [1, 1, 3, 1, 5, 3, 5, 8, 6], chunks=[(2, 4), (7, 9)])
-    assert E.spacy_subject(doc) == ("two people", None)  # not the relative "that"
+    assert entities.spacy_subject(doc) == ("two people", None)  # not the relative "that"
     doc = _fake_doc("one of the cars moved".split(), ["nsubj", "prep", "det", "pobj", "ROOT"],
                     [4, 0, 3, 1, 4], chunks=[(0, 1), (2, 4)])
-    assert E.spacy_subject(doc) == ("cars", None)
+    assert entities.spacy_subject(doc) == ("cars", None)
     doc = _fake_doc("remove her hat".split(), ["ROOT", "poss", "dobj"], [0, 2, 0],
                     chunks=[(1, 3)], pos={0: "VERB"})
-    assert E.spacy_subject(doc) == ("hat", None)
+    assert entities.spacy_subject(doc) == ("hat", None)
     doc = _fake_doc("it moved".split(), ["nsubj", "ROOT"], [1, 1], chunks=[(0, 1)])
-    assert E.spacy_subject(doc) == (None, E.PRONOUN)
+    assert entities.spacy_subject(doc) == (None, entities.PRONOUN)

@@ -18,6 +18,7 @@ import pytest
 from conftest import SMALL
 
 from changecap_jax.data import datasets, entity_inputs
+from changecap_jax.prep import entities, entity_retrieval
 from data_prep import entities as entity_lib
 from data_prep import retrieval
 
@@ -52,7 +53,7 @@ def test_equation_1_with_the_above_average_constraint(difference):
     s_bef, s_aft = rng.uniform(-1, 1, (60, 20)), rng.uniform(-1, 1, (60, 20))
     s_bef[:5] = s_bef[:5].round(1)  # some exact ties
     s_aft[:5] = s_aft[:5].round(1)
-    ids, scores, constrained = retrieval.retrieve(s_bef, s_aft, 3, difference)
+    ids, scores, constrained = entity_retrieval.retrieve(s_bef, s_aft, 3, difference)
     want_ids, want_scores, want_ok = eq1_reference(s_bef, s_aft, 3, difference == "absolute")
     assert ids.dtype == np.int32 and scores.dtype == np.float32 and constrained.dtype == bool
     np.testing.assert_array_equal(ids, want_ids)
@@ -64,24 +65,24 @@ def test_constraint_excludes_the_top_scorer_and_fills_short_lists():
     # Entity 0 has the largest S_bef - S_aft but is below average in both images.
     s_bef = np.array([[-0.5, 0.9, 0.8, 0.7, 0.6]])
     s_aft = np.array([[-0.99, 0.8, 0.6, 0.65, 0.7]])
-    ids, scores, constrained = retrieval.retrieve(s_bef, s_aft, 3)
+    ids, scores, constrained = entity_retrieval.retrieve(s_bef, s_aft, 3)
     np.testing.assert_array_equal(ids[0], [2, 1, 3])  # 0.2, 0.1, 0.05 among 1..4
     np.testing.assert_allclose(scores[0], [0.2, 0.1, 0.05], atol=1e-6)
     assert constrained.all()
     # |.|: entity 4 (0.1 lower after) ties entity 1 (0.1 higher before): the lower id first
-    ids, _, _ = retrieval.retrieve(s_bef, s_aft, 3, "absolute")
+    ids, _, _ = entity_retrieval.retrieve(s_bef, s_aft, 3, "absolute")
     np.testing.assert_array_equal(ids[0], [2, 1, 4])
     # Only entity 3 is above average anywhere: it comes first, the rest are filled, flagged.
     s_bef = np.array([[0.0, 0.0, 0.0, 1.0]])
     s_aft = np.array([[0.0, 0.0, 0.0, 1.0]])
-    ids, _, constrained = retrieval.retrieve(s_bef, s_aft, 3)
+    ids, _, constrained = entity_retrieval.retrieve(s_bef, s_aft, 3)
     np.testing.assert_array_equal(ids[0], [3, 0, 1])  # the ineligible ones tie: lower ids
     np.testing.assert_array_equal(constrained[0], [True, False, False])
     want_ids, _, want_ok = eq1_reference(s_bef, s_aft, 3, False)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(constrained, want_ok)
     with pytest.raises(ValueError, match="k must be in"):
-        retrieval.retrieve(s_bef, s_aft, 5)
+        entity_retrieval.retrieve(s_bef, s_aft, 5)
 
 
 # --- the contrastive backbone on held-out pairs
@@ -133,8 +134,8 @@ class ToyDataset:
 def toy(tmp_path):
     ds = ToyDataset(tmp_path, {"train": 300, "test": 100})
     captions = [c.decode() for r in ds.split("train") for c in r["change_captions"]]
-    entity_lib.save_entities(tmp_path / entity_lib.ENTITIES_FILE,
-                             entity_lib.extract_entities(captions, backend="rules"))
+    entities.save_entities(tmp_path / entities.ENTITIES_FILE,
+                             entities.extract_entities(captions, backend="rules"))
     return ds
 
 
@@ -142,15 +143,15 @@ def test_contrastive_backbone_generalises_to_held_out_pairs(toy):
     """Trained on train, scored on unseen test pairs: far above chance (top-1 1/12, top-3
     1/4), which an untrained model, or one whose training and retrieval scores disagree
     (sign, entity order), does not reach."""
-    settings = retrieval.ContrastiveSettings(steps=150, batch_size=64, dim=16, hidden=32)
-    meta = retrieval.run_retrieval(toy, contrastive=settings)
+    settings = entity_retrieval.ContrastiveSettings(steps=150, batch_size=64, dim=16, hidden=32)
+    meta = entity_retrieval.run_retrieval(toy, contrastive=settings)
     test = meta["accuracy"]["test"]
     assert meta["num_entities"] == 12 and test["n"] == 100 and test["excluded"] == 0
     assert meta["chance_top3"] == 0.25
     assert test["top1"] >= 0.6 and test["top3"] >= 0.75, meta["accuracy"]  # measured .84 .95
     details = meta["backbone_details"]
     assert details["steps"] == 150 and details["loss_final"] < details["loss_first"]
-    untrained = retrieval.run_retrieval(toy, overwrite=True,
+    untrained = entity_retrieval.run_retrieval(toy, overwrite=True,
                                         contrastive=dataclasses.replace(settings, steps=0))
     assert untrained["accuracy"]["test"]["top3"] < 0.6, untrained["accuracy"]
 
@@ -159,10 +160,10 @@ def test_contrastive_streams_grids_that_do_not_fit_in_memory(toy):
     """A real dataset's train grids are read per batch; the result is the same."""
     results = []
     for max_bytes in (2 << 30, 0):
-        settings = retrieval.ContrastiveSettings(steps=20, batch_size=64, dim=8, hidden=8,
+        settings = entity_retrieval.ContrastiveSettings(steps=20, batch_size=64, dim=8, hidden=8,
                                                  max_memory_bytes=max_bytes)
-        retrieval.run_retrieval(toy, contrastive=settings, overwrite=True)
-        results.append(retrieval.load_retrieval(toy.directory).split("test", 100))
+        entity_retrieval.run_retrieval(toy, contrastive=settings, overwrite=True)
+        results.append(entity_retrieval.load_retrieval(toy.directory).split("test", 100))
     np.testing.assert_array_equal(results[0].ids["semantic"], results[1].ids["semantic"])
     np.testing.assert_allclose(results[0].scores["semantic"], results[1].scores["semantic"],
                                atol=1e-6)
@@ -170,9 +171,9 @@ def test_contrastive_streams_grids_that_do_not_fit_in_memory(toy):
 
 def test_clip_needs_saved_images(toy, tmp_path):
     with pytest.raises(ValueError, match="dataset 'toy'.*raw images.*--backbone=contrastive"):
-        retrieval.run_retrieval(toy, backbone="clip", clip_path=str(tmp_path))
+        entity_retrieval.run_retrieval(toy, backbone="clip", clip_path=str(tmp_path))
     with pytest.raises(ValueError, match="needs --clip_path"):
-        retrieval.run_retrieval(toy, backbone="clip")
+        entity_retrieval.run_retrieval(toy, backbone="clip")
 
 
 # --- the command on the small synthetic dataset
@@ -205,20 +206,20 @@ def contrastive_output(synthetic, tmp_path_factory):
     status, out = cli(synthetic, "--steps=200")
     assert status == 0, out
     keep = tmp_path_factory.mktemp("contrastive") / "dataset"
-    shutil.copytree(synthetic.directory / retrieval.RETRIEVAL_DIR,
-                    keep / retrieval.RETRIEVAL_DIR)
+    shutil.copytree(synthetic.directory / entity_retrieval.RETRIEVAL_DIR,
+                    keep / entity_retrieval.RETRIEVAL_DIR)
     return keep, out
 
 
 def test_contrastive_command_end_to_end(synthetic, contrastive_output):
     directory, out = contrastive_output
-    data = retrieval.load_retrieval(directory)
+    data = entity_retrieval.load_retrieval(directory)
     meta = data.meta
     m = meta["num_entities"]
     assert meta["backbone"] == "contrastive" and meta["k"] == 3 and meta["difference"] == "signed"
     assert data.embeddings.shape == (m, 64) and data.embeddings.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(data.embeddings, axis=1), 1.0, atol=1e-5)
-    assert data.texts == entity_lib.load_entities(synthetic.directory / "entities.json").texts
+    assert data.texts == entities.load_entities(synthetic.directory / "entities.json").texts
     assert data.orientations == ("semantic", "distractor", "distractor_swapped")
     for split in ("train", "val", "test"):
         source = synthetic.split(split)
@@ -274,13 +275,13 @@ def test_missing_entity_list_names_the_file_and_the_command(synthetic, tmp_path,
 def test_malformed_retrieval_files_are_named(contrastive_output, tmp_path, mutate, message):
     directory = tmp_path / "dataset"
     shutil.copytree(contrastive_output[0], directory)
-    mutate(directory / retrieval.RETRIEVAL_DIR)
+    mutate(directory / entity_retrieval.RETRIEVAL_DIR)
     with pytest.raises(ValueError, match=message):
-        retrieval.load_retrieval(directory).split("test", 10)
+        entity_retrieval.load_retrieval(directory).split("test", 10)
 
 
 def test_record_count_must_match_the_split(contrastive_output):
-    data = retrieval.load_retrieval(contrastive_output[0])
+    data = entity_retrieval.load_retrieval(contrastive_output[0])
     with pytest.raises(ValueError, match="test.npz.*10 rows but the split has 11 records"):
         data.split("test", 11)
     with pytest.raises(ValueError, match="splits has no 'dev'"):
@@ -342,8 +343,8 @@ def test_clip_command_end_to_end_and_resumable(synthetic, tmp_path, caplog, caps
                         "requirements-torch.txt); the CLIP backbone is untested")
     clip = _tiny_clip(tmp_path)
     flags = (f"--clip_path={clip}", "--batch_size=8", "--overwrite")
-    cache = synthetic.directory / retrieval.CLIP_CACHE_DIR
-    out_dir = synthetic.directory / retrieval.RETRIEVAL_DIR
+    cache = synthetic.directory / entity_retrieval.CLIP_CACHE_DIR
+    out_dir = synthetic.directory / entity_retrieval.RETRIEVAL_DIR
     # Interrupted after 2 batches: nothing written, the 16 embeddings so far cached.
     status, _ = cli(synthetic, *flags, "--stop_after_batches=2")
     assert status == 130 and "run the same command again" in capsys.readouterr().err
@@ -359,7 +360,7 @@ def test_clip_command_end_to_end_and_resumable(synthetic, tmp_path, caplog, caps
     # A run from scratch gives the same result.
     status, _ = cli(synthetic, *flags)
     assert status == 0
-    data = retrieval.load_retrieval(synthetic.directory)
+    data = entity_retrieval.load_retrieval(synthetic.directory)
     for split, arrays in resumed.items():
         fresh = data.split(split, len(synthetic.split(split)))
         np.testing.assert_array_equal(fresh.record_ids, arrays["record_ids"])
@@ -374,4 +375,4 @@ def test_clip_command_end_to_end_and_resumable(synthetic, tmp_path, caplog, caps
 def test_clip_without_transformers_says_what_to_install(synthetic, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(ImportError, match=re.escape("pip install -r requirements-torch.txt")):
-        retrieval.ClipBackbone(synthetic, tmp_path)
+        entity_retrieval.ClipBackbone(synthetic, tmp_path)

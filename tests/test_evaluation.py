@@ -1,7 +1,8 @@
-"""Tests for changecap_jax.evaluation (COCOEvalCap-style caption scoring, per-subset rows, files).
+"""Tests for changecap_jax.evaluators.captions (COCOEvalCap-style caption scoring, per-subset rows,
+files).
 
 Each METEOR process costs several seconds of Java start-up, so the expensive scores are computed
-once in module-scoped fixtures and shared: the evaluation.py table, an independent pycocoevalcap
+once in module-scoped fixtures and shared: the evaluators' table, an independent pycocoevalcap
 computation of the same captions, and a stand-alone score of the colour pairs.
 """
 
@@ -20,9 +21,10 @@ from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-from changecap_jax import evaluation as ev
-from changecap_jax import jsonio
-from changecap_jax.evaluation import PairCaption
+from changecap_jax.evaluators import captions as ev
+from changecap_jax.evaluators import results, tokenize
+from changecap_jax.evaluators.captions import PairCaption
+from changecap_jax.io import jsonio
 
 SCORED_KEYS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
 
@@ -258,7 +260,8 @@ def test_untyped_records_only_have_total_row():
         return {name: {key: 0.5 for key in SCORED_KEYS} for name in plan}
 
     def fake_tokenize(predictions, references):
-        return ev.TokenizedCaptions(dict(predictions), {k: list(v) for k, v in references.items()})
+        return tokenize.TokenizedCaptions(dict(predictions),
+                                          {k: list(v) for k, v in references.items()})
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ev, "_score_plan", fake_score_plan)
@@ -279,7 +282,7 @@ def test_ptb_tokenize_matches_pycocoevalcap_and_keeps_alignment():
         "b": ["line\rbreak inside", ""],
         "c": ["last one", ""],
     }
-    out = ev.ptb_tokenize(captions)
+    out = tokenize.ptb_tokenize(captions)
     assert out == {
         "a": ["the small red cube 's color changed to blue", "there is no change"],
         "b": ["line break inside", ""],
@@ -296,17 +299,18 @@ def test_ptb_tokenize_memo_gives_the_fresh_tokens_and_skips_java(monkeypatch):
     tokenises only the new ones and returns what a fresh call returns."""
     captions = {"a": ["The RED cube moved.", 'a "quoted" word, here'],
                 "b": ["Nothing changed!", "The RED cube moved."]}
-    monkeypatch.setattr(ev, "_TOKENIZED", {})
-    fresh = ev.ptb_tokenize(captions)
+    monkeypatch.setattr(tokenize, "_TOKENIZED", {})
+    fresh = tokenize.ptb_tokenize(captions)
     runs: list[list[str]] = []
-    real = ev._run_ptb_tokenizer
-    monkeypatch.setattr(ev, "_run_ptb_tokenizer", lambda lines: runs.append(lines) or real(lines))
-    assert ev.ptb_tokenize(dict(reversed(captions.items()))) == fresh and runs == []
+    real = tokenize._run_ptb_tokenizer
+    monkeypatch.setattr(tokenize, "_run_ptb_tokenizer",
+                        lambda lines: runs.append(lines) or real(lines))
+    assert tokenize.ptb_tokenize(dict(reversed(captions.items()))) == fresh and runs == []
     mixed = {"c": ["A new caption, surely."], **captions}
-    got = ev.ptb_tokenize(mixed)
+    got = tokenize.ptb_tokenize(mixed)
     assert runs == [["A new caption, surely."]]
-    monkeypatch.setattr(ev, "_TOKENIZED", {})
-    assert got == ev.ptb_tokenize(mixed) == {"c": ["a new caption surely"], **fresh}
+    monkeypatch.setattr(tokenize, "_TOKENIZED", {})
+    assert got == tokenize.ptb_tokenize(mixed) == {"c": ["a new caption surely"], **fresh}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +443,8 @@ def test_format_table_states_the_main_metric_and_protocol(table):
 
 def test_write_results(tmp_path, table):
     extra = {"000001.png": {"predicted_type": "color"}, "000002.png_n": {"predicted_type": "add"}}
-    cap_path, met_path = ev.write_results(tmp_path / "run", "test", 1200, RECORDS, table, extra)
+    cap_path, met_path = results.write_results(tmp_path / "run", "test", 1200, RECORDS, table,
+                                               extra)
     assert cap_path == tmp_path / "run" / "captions" / "test_1200.json"
     assert met_path == tmp_path / "run" / "metrics" / "test_1200.json"
     captions = json.loads(cap_path.read_text())
@@ -463,9 +468,9 @@ def test_write_results(tmp_path, table):
 
 def test_write_results_rejects_unknown_extra(tmp_path):
     with pytest.raises(ValueError, match="999999.png"):
-        ev.write_results(tmp_path, "val", 1, RECORDS, {}, {"999999.png": {"x": 1}})
+        results.write_results(tmp_path, "val", 1, RECORDS, {}, {"999999.png": {"x": 1}})
     with pytest.raises(ValueError, match="caption"):
-        ev.write_results(tmp_path, "val", 1, RECORDS, {}, {"000001.png": {"caption": "x"}})
+        results.write_results(tmp_path, "val", 1, RECORDS, {}, {"000001.png": {"caption": "x"}})
 
 
 def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -477,14 +482,14 @@ def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(jsonio.json, "dump", partial_dump)
     with pytest.raises(OSError, match="disk full"):
-        ev.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 1.0})
+        results.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 1.0})
     assert not (tmp_path / "captions" / "test_5.json").exists()
     assert os.listdir(tmp_path / "captions") == []  # the temp file is cleaned up too
     assert not (tmp_path / "metrics" / "test_5.json").exists()
 
     # A failing rename keeps an earlier complete file intact.
     monkeypatch.setattr(jsonio.json, "dump", real_dump)
-    cap_path, _ = ev.write_results(tmp_path, "test", 5, RECORDS[:1], {"CIDEr": 1.0})
+    cap_path, _ = results.write_results(tmp_path, "test", 5, RECORDS[:1], {"CIDEr": 1.0})
     before = cap_path.read_text()
 
     def failing_replace(src, dst):
@@ -492,7 +497,7 @@ def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(jsonio.os, "replace", failing_replace)
     with pytest.raises(OSError, match="rename failed"):
-        ev.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 2.0})
+        results.write_results(tmp_path, "test", 5, RECORDS, {"CIDEr": 2.0})
     assert cap_path.read_text() == before
     assert os.listdir(cap_path.parent) == ["test_5.json"]
 
@@ -503,7 +508,7 @@ def test_write_results_failure_leaves_no_partial_file(tmp_path, monkeypatch):
 
 
 def test_coco_reference_file_round_trip():
-    gt = ev.coco_reference_file(RECORDS)
+    gt = results.coco_reference_file(RECORDS)
     assert gt["type"] == "captions"
     assert gt["images"][0] == {"filename": "000001.png", "id": "000001.png"}
     assert gt["images"][-1] == {"filename": "008001.png_n", "id": "008001.png_n"}
@@ -514,20 +519,20 @@ def test_coco_reference_file_round_trip():
         "id": 0,
         "image_id": "000001.png",
     }
-    back = ev.references_from_coco(json.loads(json.dumps(gt)))
+    back = results.references_from_coco(json.loads(json.dumps(gt)))
     assert back == {r.image_id: r.references for r in RECORDS}
     assert list(back) == [r.image_id for r in RECORDS]
 
 
 def test_references_from_coco_errors():
     with pytest.raises(ValueError, match="annotations"):
-        ev.references_from_coco({"images": []})
+        results.references_from_coco({"images": []})
     with pytest.raises(ValueError, match="caption"):
-        ev.references_from_coco({"annotations": [{"image_id": "1", "id": 0}]})
+        results.references_from_coco({"annotations": [{"image_id": "1", "id": 0}]})
     with pytest.raises(ValueError, match="image_id"):
-        ev.references_from_coco({"annotations": [{"caption": "x", "id": 0}]})
+        results.references_from_coco({"annotations": [{"caption": "x", "id": 0}]})
     with pytest.raises(ValueError, match="'id'"):
-        ev.references_from_coco({"images": [{"file": "a"}], "annotations": []})
+        results.references_from_coco({"images": [{"file": "a"}], "annotations": []})
 
 
 def test_references_from_coco_duplicate_images():
@@ -541,7 +546,7 @@ def test_references_from_coco_duplicate_images():
         "images": [{"id": "256"}, {"id": "256"}, {"id": 31}],
         "type": "captions",
     }
-    assert ev.references_from_coco(gt) == {
+    assert results.references_from_coco(gt) == {
         "256": ["person with umbrella is gone", "person with red coat is moved"],
         "31": ["the car is gone"],
     }
@@ -552,7 +557,7 @@ SPOT_GT = Path("/work/shared/data/spot_the_diff/ddla_rerun_gtfile.json")
 
 @pytest.mark.skipif(not SPOT_GT.is_file(), reason="Spot-the-Diff official GT file not available")
 def test_references_from_spot_the_diff_official_file():
-    refs = ev.references_from_coco(json.loads(SPOT_GT.read_text()))
+    refs = results.references_from_coco(json.loads(SPOT_GT.read_text()))
     assert len(refs) == 1270
     assert sum(len(v) for v in refs.values()) == 2107
 

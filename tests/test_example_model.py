@@ -17,9 +17,11 @@ from conftest import SMALL
 from example_model import config as example_config
 from example_model.gated_difference import GatedDifference
 
-from changecap_jax import export, models, predict, train
-from changecap_jax.data import datasets
+from changecap_jax import models
+from changecap_jax.data import image_files
+from changecap_jax.inference import export, predict
 from changecap_jax.models import contract
+from changecap_jax.trainers import captioning
 
 PACKAGE = Path(__file__).resolve().parents[1] / "changecap_jax"
 STEPS = 12
@@ -34,7 +36,7 @@ def run(small_synthetic, tmp_path_factory):
                   eval_every_steps=1000, checkpoint_every_steps=1000, eval_splits=(),
                   final_eval_splits=("test",), spice="off")
     workdir = tmp_path_factory.mktemp("example") / "workdir"
-    trainer = train.Trainer(config, workdir)
+    trainer = captioning.Trainer(config, workdir)
     results = trainer.train()
     return config, workdir, trainer, results
 
@@ -64,7 +66,7 @@ def test_trained_with_its_auxiliary_loss(run):
 
 def test_evaluated_from_its_checkpoint(run, tmp_path):
     config, workdir, _, results = run
-    again = train.evaluate_checkpoint(config, workdir)
+    again = captioning.evaluate_checkpoint(config, workdir)
     assert again["test"]["CIDEr"] == pytest.approx(results["test"]["CIDEr"], abs=1e-9)
 
 
@@ -77,7 +79,7 @@ def test_exported_and_predicted(run, small_synthetic, tmp_path):
     pairs, ids = [], []
     for i in range(len(source)):
         record = source[i]
-        paths = datasets.image_paths(small_synthetic, record)
+        paths = image_files.image_paths(small_synthetic, record)
         image_id = record["image_id"].decode()
         pairs += [(paths["before"], paths["after_semantic"]),
                   (paths["before"], paths["after_distractor"])]

@@ -1,6 +1,6 @@
 """Getting a model without a trainer (changecap_jax/experiment.py, checkpoints.restore_params /
-restore_state, checkpoint_steps, decoding.decode_ids): the same dataset, model, lengths,
-parameters and captions as ``train.Trainer`` gives."""
+restore_state, the step listing, decoding.decode_ids): the same dataset, model, lengths,
+parameters and captions as ``captioning.Trainer`` gives."""
 
 from __future__ import annotations
 
@@ -14,15 +14,18 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import tiny_config
 
-from changecap_jax import checkpoint_steps, checkpoints, decoding, experiment, export, train
+from changecap_jax import experiment
 from changecap_jax.data import datasets
+from changecap_jax.inference import decoding, export
+from changecap_jax.io import checkpoints
+from changecap_jax.trainers import captioning
 
 
 @pytest.fixture(scope="module")
 def built(small_synthetic, tmp_path_factory) -> dict:
     config = tiny_config(str(small_synthetic.directory.parents[2]))
     workdir = tmp_path_factory.mktemp("experiment") / "run"
-    trainer = train.Trainer(config, workdir)
+    trainer = captioning.Trainer(config, workdir)
     return {"config": config, "workdir": workdir, "trainer": trainer,
             "experiment": experiment.build(config, mesh=trainer.mesh)}
 
@@ -111,14 +114,13 @@ def test_no_checkpoint_is_a_checkpoint_error(tmp_path):
 
 def test_step_listing(tmp_path):
     directory = tmp_path / "checkpoints"
-    assert checkpoint_steps.steps(directory) == [] and not checkpoint_steps.has_steps(directory)
-    assert checkpoint_steps.latest_step(directory) is None
+    assert checkpoints.steps(directory) == [] and not checkpoints.has_steps(directory)
+    assert checkpoints.latest_step(directory) is None
     for name in ("3", "10", "12.damaged", "14.orbax-checkpoint-tmp-1"):
         (directory / name).mkdir(parents=True)
     (directory / "20").write_text("a file, not a step")
-    assert checkpoint_steps.steps(directory) == [3, 10]
-    assert checkpoint_steps.latest_step(directory) == 10 and checkpoint_steps.has_steps(directory)
-    assert checkpoints.latest_step is checkpoint_steps.latest_step
+    assert checkpoints.steps(directory) == [3, 10]
+    assert checkpoints.latest_step(directory) == 10 and checkpoints.has_steps(directory)
 
 
 @pytest.mark.parametrize("decode", [{}, {"beam_size": 3, "length_penalty": 0.6},

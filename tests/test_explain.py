@@ -1,4 +1,4 @@
-"""Attention heatmaps (changecap_jax/explain.py) through the one hook of models/base.py.
+"""Attention heatmaps (changecap_jax/inference/explain.py) through the one hook of models/base.py.
 
 The teacher-forced heatmap of a decoded caption must equal the mean of the cross-attention
 the cached decoder actually used at each generated position, for every model on the trunk.
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import decoding, explain, models
+from changecap_jax import models
+from changecap_jax.inference import decoding, explain
 from changecap_jax.models.base import ATTENTION
 
 B, H, W, C, L, V = 5, 3, 4, 6, 9, 14

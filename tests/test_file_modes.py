@@ -7,8 +7,8 @@ import stat
 import numpy as np
 import pytest
 
-from changecap_jax.data import entity_retrieval as retrieval
-from changecap_jax.jsonio import atomic_write, staging_dir, write_json_atomic
+from changecap_jax.io.jsonio import atomic_write, staging_dir, write_json_atomic
+from changecap_jax.prep import entity_retrieval as retrieval
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""changecap_jax/flop_count.py: matmul FLOPs from the jaxpr, loop iterations counted, against
+"""changecap_jax/tools/flop_count.py: matmul FLOPs from the jaxpr, loop iterations counted, against
 hand counts; XLA's cost analysis counts a scan's body once (why the module exists)."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from changecap_jax import flop_count, losses, parallel
+from changecap_jax import parallel
+from changecap_jax.models import losses
+from changecap_jax.tools import flop_count
 
 F32 = jnp.float32
 

@@ -1,5 +1,5 @@
-"""IDC-PCL FDA hard negatives (changecap_jax/data/hard_negatives.py, data/word_classes.py; the
-command data_prep/hard_negatives.py)."""
+"""IDC-PCL FDA hard negatives (changecap_jax/prep/hard_negatives.py, prep/word_classes.py;
+the command data_prep/hard_negatives.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from changecap_jax.data import word_classes as wc
+from changecap_jax.data import negatives
 from changecap_jax.data.synthetic import scenes
 from changecap_jax.data.vocab import tokenize
-from data_prep import hard_negatives as hn
+from changecap_jax.prep import hard_negatives as hn
+from changecap_jax.prep import word_classes as wc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,7 +164,7 @@ def test_every_pair_gets_six_negatives_none_a_positive(result, dataset_pairs):
         assert [(r["image_id"], r["img2"].split("_")[1] == "semantic", r["sentences"])
                 for r in records] == dataset_pairs[split]
         for rec in records:
-            assert len(rec["neg_samples"]) == hn.NUM_NEGATIVES == len(rec["neg_kinds"])
+            assert len(rec["neg_samples"]) == negatives.NUM_NEGATIVES == len(rec["neg_kinds"])
             refs = {tuple(words(s)) for s in rec["sentences"]}
             keys = [tuple(words(n)) for n in rec["neg_samples"]]
             assert not refs & set(keys), rec
@@ -336,16 +337,16 @@ def test_deterministic_for_a_seed_and_different_across_seeds(result, small_synth
 
 
 def test_reader_round_trips_our_file(result, tmp_path):
-    path = hn.negatives_path(tmp_path, "train")
+    path = negatives.negatives_path(tmp_path, "train")
     assert path.name == "train_neg_tfidf6.json"
     hn.write_negatives(result.records["train"], path)
     assert not [p for p in tmp_path.iterdir() if p.name != path.name]  # no temp file left
-    records = hn.load_negatives(path)
+    records = negatives.load_negatives(path)
     assert [(r.img1, r.img2, list(r.sentences), list(r.negatives), r.image_id, list(r.kinds))
             for r in records] == [
         (r["img1"], r["img2"], r["sentences"], r["neg_samples"], r["image_id"], r["neg_kinds"])
         for r in result.records["train"]]
-    by_pair = hn.negatives_by_pair(records)
+    by_pair = negatives.negatives_by_pair(records)
     first = result.records["train"][0]
     assert by_pair[(first["image_id"], True)] == tuple(first["neg_samples"])
     assert len(by_pair) == len(records)
@@ -365,15 +366,15 @@ def test_reader_reads_the_official_format(tmp_path):
     path = tmp_path / "val_neg_tfidf6.json"
     path.write_text(official_line() + "\n\n" + official_line(kind="nonsemantic", sentences=
                                                            "there is no change") + "\n")
-    a, b = hn.load_negatives(path)
+    a, b = negatives.load_negatives(path)
     assert (a.image_id, a.semantic, a.kinds) == ("000001.png", True, None)
     assert (b.image_id, b.semantic, b.sentences) == ("000001.png", False,
                                                      ("there is no change",))
     assert a.negatives[0] == "the blue cube moved" and len(a.negatives) == 6
-    assert set(hn.negatives_by_pair([a, b])) == {("000001.png", True), ("000001.png", False)}
+    assert set(negatives.negatives_by_pair([a, b])) == {("000001.png", True), ("000001.png", False)}
     # the same records as one JSON array
     path.write_text("[" + official_line() + "]")
-    assert hn.load_negatives(path)[0].image_id == "000001.png"
+    assert negatives.load_negatives(path)[0].image_id == "000001.png"
 
 
 @pytest.mark.parametrize("content, message", [
@@ -393,14 +394,14 @@ def test_reader_reads_the_official_format(tmp_path):
 def test_reader_names_the_problem(tmp_path, content, message):
     path = tmp_path / "train_neg_tfidf6.json"
     path.write_text(content)
-    with pytest.raises(hn.NegativesFileError) as err:
-        hn.load_negatives(path)
+    with pytest.raises(negatives.NegativesFileError) as err:
+        negatives.load_negatives(path)
     assert message in str(err.value) and str(path) in str(err.value)
 
 
 def test_reader_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope_neg_tfidf6.json"):
-        hn.load_negatives(tmp_path / "nope_neg_tfidf6.json")
+        negatives.load_negatives(tmp_path / "nope_neg_tfidf6.json")
 
 
 def test_cli_writes_the_official_files(small_synthetic, tmp_path):
@@ -419,7 +420,7 @@ def test_cli_writes_the_official_files(small_synthetic, tmp_path):
     assert "retrieve: 160 by its rule" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "test_neg_tfidf6.json", "train_neg_tfidf6.json", "val_neg_tfidf6.json"]
-    ours = hn.load_negatives(tmp_path / "train_neg_tfidf6.json")
+    ours = negatives.load_negatives(tmp_path / "train_neg_tfidf6.json")
     expected = hn.generate(small_synthetic, seed=0, pos="lexicon").records["train"]
     assert [list(r.negatives) for r in ours] == [r["neg_samples"] for r in expected]
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from changecap_jax import host_memory
+from changecap_jax.cpu import host_memory
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
@@ -25,7 +25,7 @@ BLOCK_MB = 128
 # host_memory.release().
 PROGRAM = f"""
 import ctypes, json, resource, threading
-from changecap_jax import host_memory
+from changecap_jax.cpu import host_memory
 
 libc = ctypes.CDLL("libc.so.6")  # malloc itself, as XLA's CPU runtime (numpy would madvise)
 libc.malloc.restype = ctypes.c_void_p
@@ -94,7 +94,7 @@ def test_left_alone_when_jax_may_use_an_accelerator():
 # resident memory, before and after.
 SET_ASIDE_PROGRAM = """
 import ctypes, json
-from changecap_jax import host_memory
+from changecap_jax.cpu import host_memory
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -152,7 +152,7 @@ def test_free_chunks_a_compile_leaves_are_set_aside_and_their_memory_released():
 # free chunks aside; a shorter one does not. With argv[2] "fail" the pass raises.
 COMPILE_PROGRAM = """
 import json, sys
-from changecap_jax import host_memory
+from changecap_jax.cpu import host_memory
 import jax, jax.numpy as jnp
 
 assert host_memory.keep_freed_memory()

@@ -1,4 +1,4 @@
-"""Official IDC-PCL checkpoints -> orbax checkpoints (``python -m changecap_jax.convert``),
+"""Official IDC-PCL checkpoints -> orbax checkpoints (``python -m changecap_jax convert``),
 checked against the independent torch reference (tests/torch_reference/idc_pcl.py).
 
 Reference: docs/official/ §5 (model, losses, decoding), §5.1 (dict.json:
@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from torch_reference import idc_pcl as tref  # noqa: E402
 from train_helpers import tiny_run  # noqa: E402
 
-from changecap_jax import decoding, models  # noqa: E402
+from changecap_jax import models  # noqa: E402
 from changecap_jax.convert import (  # noqa: E402
     ConversionError,
     KeyMismatchError,
@@ -50,6 +50,7 @@ from changecap_jax.convert import (  # noqa: E402
 from changecap_jax.convert.models import idc_dict_json  # noqa: E402
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import IDC_STATE  # noqa: E402
+from changecap_jax.inference import decoding  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
 

@@ -1,5 +1,6 @@
 """IDC-PCL pretraining with a cross-task source (paper §2.4, appendix A.3;
-changecap_jax/pretrain.py, changecap_jax/data/extra_source.py): the supervised contrastive
+changecap_jax/trainers/pretraining.py, changecap_jax/data/extra_source.py): the supervised
+contrastive
 loss against its definition in float64 NumPy, CUB pseudo pairs (a zero second image, never
 masked by MVCL), the batch ratio, 8 devices = 1 for a step with a NABirds-layout source,
 exact resume with an extra source, stage 1 -> stage 2 -> fine-tuning parameter transfer and
@@ -28,18 +29,21 @@ from test_cross_task_sources import COLOURS, CUB_IMAGES, cub_relative, write_cub
 from test_idc_pcl_pretrain import INTERRUPT, SEED, STEPS  # every task drawn in both halves
 from train_helpers import SMALL, tiny_run
 
-from changecap_jax import parallel, pretrain, train
+from changecap_jax import parallel
 from changecap_jax.data import datasets, extra_source, negatives, pipeline
-from changecap_jax.models import idc_pcl
+from changecap_jax.io import checkpoints
+from changecap_jax.models import idc_pcl, idc_pcl_pretraining
+from changecap_jax.models.base import INPUTS_FOLD
+from changecap_jax.prep import hard_negatives
+from changecap_jax.trainers import pretraining
 from data_prep import cross_task as ct
-from data_prep import hard_negatives
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import idc_pcl as idc_config  # noqa: E402
 
 GRID = SMALL["feature_shape"]  # (4, 4, 16): the IDC dataset's grids
-TASKS = pretrain.TASKS
+TASKS = pretraining.TASKS
 
 
 def random_grids(shape):
@@ -98,7 +102,7 @@ def tiny_config(data: dict, source: str, batch_size: int, **extra) -> ml_collect
 def caption_trainer(data, tmp_path_factory):
     # 8 examples = 16 pairs per MLM/MVCL step and 4 pseudo pairs (of CUB's 6 train images) at
     # 4:1; FDA steps 8 pairs and 2 pseudo pairs, each with 6 negatives.
-    return pretrain.PretrainTrainer(tiny_config(data, "cub", 8),
+    return pretraining.PretrainTrainer(tiny_config(data, "cub", 8),
                                     tmp_path_factory.mktemp("cub_run"),
                                     mesh=parallel.make_mesh(1))
 
@@ -106,7 +110,7 @@ def caption_trainer(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def classify_trainer(data, tmp_path_factory):
     # 16 examples = 32 pairs per step and 8 NABirds pairs (a multiple of 8 devices) at 4:1.
-    return pretrain.PretrainTrainer(tiny_config(data, "nabirds", 16, num_pairs=16),
+    return pretraining.PretrainTrainer(tiny_config(data, "nabirds", 16, num_pairs=16),
                                     tmp_path_factory.mktemp("nabirds_run"),
                                     mesh=parallel.make_mesh(1))
 
@@ -162,18 +166,18 @@ def transfg_numpy(z: np.ndarray, labels: np.ndarray, margin: float) -> float:
     return total / len(z) ** 2
 
 
-@pytest.mark.parametrize("kind", pretrain.CONTRASTIVE_LOSSES)
+@pytest.mark.parametrize("kind", idc_pcl_pretraining.CONTRASTIVE_LOSSES)
 def test_contrastive_loss_spans_the_global_batch(kind):
     """The loss (and its gradient) over 8 devices' shards = over one device = the definition."""
     rng = np.random.default_rng(1)
     z = rng.normal(size=(16, 6)).astype(np.float32)
     labels = rng.integers(0, 5, 16).astype(np.int32)
-    settings = pretrain.ClassifyLosses(contrastive=kind, temperature=0.5, margin=0.1)
+    settings = idc_pcl_pretraining.ClassifyLosses(contrastive=kind, temperature=0.5, margin=0.1)
     want = (supcon_numpy(z, labels, 0.5) if kind == "supcon" else transfg_numpy(z, labels, 0.1))
     axis = parallel.DATA_AXIS
     grads = []
     for devices in (1, 8):
-        loss = jax.shard_map(functools.partial(pretrain.global_contrastive, axis=axis,
+        loss = jax.shard_map(functools.partial(idc_pcl_pretraining.global_contrastive, axis=axis,
                                                settings=settings),
                              mesh=parallel.make_mesh(devices), in_specs=(P(axis), P(axis)),
                              out_specs=P(), check_vma=False)
@@ -198,7 +202,7 @@ def test_pseudo_pairs_have_a_zero_second_image_that_mvcl_never_masks(caption_tra
         assert len(sample["captions"]) == source.num_captions[i] == 10
     n, rows = GRID[0] * GRID[1], 4000
     keys = jax.random.split(jax.random.key(1), rows)
-    draw = jax.jit(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n)))
+    draw = jax.jit(jax.vmap(functools.partial(idc_pcl_pretraining.region_mask, num_regions=n)))
     pseudo = np.arange(rows) % 2 == 0
     mask = np.asarray(draw(keys, real_only=pseudo))
     assert not mask[pseudo, n:].any() and mask[pseudo, :n].any(1).all()
@@ -288,7 +292,7 @@ def classify_update(classify_trainer):
     """The 1-device MLM step with a classification source, returning the gradients too;
     compiled once for the 8 = 1 check and the runs below."""
     trainer = classify_trainer
-    return pretrain.make_task_step(trainer.model, "mlm", trainer.optimizer, trainer.mesh,
+    return pretraining.make_task_step(trainer.model, "mlm", trainer.optimizer, trainer.mesh,
                                    trainer.schedule, classify=trainer.extra.classify,
                                    with_grads=True)
 
@@ -303,7 +307,7 @@ def test_eight_devices_equal_one_with_a_classification_source(classify_trainer,
     step = trainer.config.optim.warmup_steps
     eight = parallel.make_mesh(8)
     updates = {1: (trainer.mesh, classify_update),
-               8: (eight, pretrain.make_task_step(
+               8: (eight, pretraining.make_task_step(
                    trainer.model, "mlm", trainer.optimizer, eight, trainer.schedule,
                    classify=trainer.extra.classify, with_grads=True))}
     results = []
@@ -373,9 +377,9 @@ def test_mvcl_step_with_pseudo_pairs(caption_trainer):
     _, metrics = trainer.task_steps["mvcl"](_on(trainer.mesh, initial, step),
                                             pipeline.to_global(host, trainer.data_sharding))
     samples, n = len(host["ids"]), GRID[0] * GRID[1]
-    keys = pretrain.sample_keys(jax.random.fold_in(jax.random.fold_in(initial.rng, step),
-                                                   train.INPUTS_FOLD), np.arange(samples))
-    mask = np.asarray(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n))(
+    keys = idc_pcl_pretraining.sample_keys(jax.random.fold_in(jax.random.fold_in(initial.rng, step),
+                                                   INPUTS_FOLD), np.arange(samples))
+    mask = np.asarray(jax.vmap(functools.partial(idc_pcl_pretraining.region_mask, num_regions=n))(
         keys, real_only=host["pseudo"]))
     assert not mask[host["pseudo"], n:].any()
     t1, t2 = (host[k].reshape(samples, n, -1).astype(np.float32) for k in ("img1", "img2"))
@@ -399,7 +403,7 @@ def test_mvcl_step_with_pseudo_pairs(caption_trainer):
 def _sibling(trainer, workdir, steps: dict | None = None, **overrides):
     config = ml_collections.ConfigDict(trainer.config.to_dict())
     config.update(overrides)
-    other = pretrain.PretrainTrainer(config, workdir, mesh=trainer.mesh)
+    other = pretraining.PretrainTrainer(config, workdir, mesh=trainer.mesh)
     other.task_steps = steps or trainer.task_steps
     other.init_state = trainer.init_state
     return other
@@ -465,9 +469,9 @@ def test_stages_carry_parameters_over(caption_trainer, classify_trainer, classif
     """init_from between pretraining runs copies every shared parameter, the pretraining
     heads included; heads the source lacks stay fresh; fine-tuning leaves the fgvc_ heads."""
     full, _ = classify_run
-    trained = train.init_params_from(classify_trainer.init_state().params, full.workdir)
+    trained = checkpoints.init_params_from(classify_trainer.init_state().params, full.workdir)
     fresh = caption_trainer.init_state().params
-    carried = train.init_params_from(fresh, full.workdir,
+    carried = checkpoints.init_params_from(fresh, full.workdir,
                                      tuple(caption_trainer.config.init_exclude))
     assert tuple(caption_trainer.config.init_exclude) == ()
     for part in ("feat_regress", "pooler_0", "word_embedding", "encoder", "img_project_0"):
@@ -482,7 +486,7 @@ def test_stages_carry_parameters_over(caption_trainer, classify_trainer, classif
     stage1.save(manager, 1, caption_trainer.init_state(), stage1.iterators())
     manager.wait_until_finished()
     target = jax.tree.map(lambda x: x + 1.0, classify_trainer.init_state().params)
-    stage2 = train.init_params_from(target, tmp_path)
+    stage2 = checkpoints.init_params_from(target, tmp_path)
     for part in ("fgvc_classifier", "fgvc_matcher", "encoder"):
         same = [np.array_equal(a, b) for a, b in zip(
             jax.tree_util.tree_leaves(stage2[part]), jax.tree_util.tree_leaves(target[part]),
@@ -496,8 +500,8 @@ def test_stages_carry_parameters_over(caption_trainer, classify_trainer, classif
 
 
 def _error(config, tmp_path, mesh=None) -> str:
-    with pytest.raises(pretrain.PretrainError) as err:
-        pretrain.PretrainTrainer(config, tmp_path, mesh=mesh or parallel.make_mesh(1))
+    with pytest.raises(pretraining.PretrainError) as err:
+        pretraining.PretrainTrainer(config, tmp_path, mesh=mesh or parallel.make_mesh(1))
     return str(err.value)
 
 
@@ -529,7 +533,7 @@ def test_errors_name_the_file_and_key(data, tmp_path):
     assert f"{no_negatives / 'train_neg_tfidf6.json'} does not exist" in message
     assert "--negatives" in message
     config.pretrain.tasks = ("mlm", "mvcl")  # without FDA no negatives are needed
-    trainer = pretrain.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    trainer = pretraining.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(1))
     assert trainer.extra.fda_rows == 0 and trainer.extra_streams() == ("extra",)
     config = tiny_config(data, "cub", 8)
     config.pretrain.fda_batch_size = 6  # 6 / 4 pseudo pairs

@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from torch_reference import idc_pcl as tref  # noqa: E402
 
-from changecap_jax import decoding  # noqa: E402
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
+from changecap_jax.inference import decoding  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402

@@ -1,4 +1,5 @@
-"""IDC-PCL pretraining (changecap_jax/pretrain.py; reference §5.1, §5.3, §5.6): each task's
+"""IDC-PCL pretraining (changecap_jax/trainers/pretraining.py; reference §5.1, §5.3, §5.6): each
+task's
 step loss equals the single-device loss functions of models/idc_pcl.py (checked against torch
 in test_idc_pcl_model.py) on the same masked inputs, 8 devices equal 1 for an MVCL step, the
 seeded task draw, exact resume of every task's stream, the FDA batch layout, the presets,
@@ -23,17 +24,19 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import SMALL, tiny_run
 
-from changecap_jax import checkpoints, models, parallel, pretrain, train
+from changecap_jax import models, parallel
 from changecap_jax.data import datasets, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples
-from changecap_jax.models import idc_pcl, idc_pcl_pretraining
-from data_prep import hard_negatives
+from changecap_jax.io import checkpoints
+from changecap_jax.models import base, idc_pcl, idc_pcl_pretraining
+from changecap_jax.prep import hard_negatives
+from changecap_jax.trainers import loop, pretraining
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from configs import idc_pcl as idc_config  # noqa: E402
 
-TASKS = pretrain.TASKS
+TASKS = pretraining.TASKS
 OFFICIAL_RATIO = (8, 1, 2)
 STEPS, INTERRUPT = 6, 3  # the resume test: 6 steps straight, or 3 + a restart
 
@@ -41,9 +44,9 @@ STEPS, INTERRUPT = 6, 3  # the resume test: 6 steps straight, or 3 + a restart
 def _seed_with_every_task_in_both_halves() -> int:
     """A seed whose draws for steps 1-3 and 4-6 each hold all three tasks (at 8:1:2), so the
     resume test restores every task's stream in mid-run."""
-    p = pretrain.task_probabilities(TASKS, OFFICIAL_RATIO)
+    p = pretraining.task_probabilities(TASKS, OFFICIAL_RATIO)
     for seed in range(10_000):
-        draws = [pretrain.draw_task(seed, t, TASKS, p) for t in range(1, STEPS + 1)]
+        draws = [pretraining.draw_task(seed, t, TASKS, p) for t in range(1, STEPS + 1)]
         if set(draws[:INTERRUPT]) == set(draws[INTERRUPT:]) == set(TASKS):
             return seed
     raise AssertionError("no such seed")
@@ -77,7 +80,7 @@ def tiny_pretrain(data_dir: str, **overrides) -> ml_collections.ConfigDict:
 
 @pytest.fixture(scope="module")
 def trainer(data_dir, tmp_path_factory):
-    return pretrain.PretrainTrainer(tiny_pretrain(data_dir), tmp_path_factory.mktemp("one"),
+    return pretraining.PretrainTrainer(tiny_pretrain(data_dir), tmp_path_factory.mktemp("one"),
                                     mesh=parallel.make_mesh(1))
 
 
@@ -97,7 +100,7 @@ def _sibling(trainer, workdir, **overrides):
     ``trainer``'s compiled steps."""
     config = ml_collections.ConfigDict(trainer.config.to_dict())
     config.update(overrides)
-    other = pretrain.PretrainTrainer(config, workdir, mesh=trainer.mesh)
+    other = pretraining.PretrainTrainer(config, workdir, mesh=trainer.mesh)
     other.task_steps, other.task_losses = trainer.task_steps, trainer.task_losses
     other.init_state = trainer.init_state
     return other
@@ -115,7 +118,7 @@ def forward(trainer):
 def test_region_mask_follows_section_5_1():
     n, rows = 49, 20_000
     keys = jax.random.split(jax.random.key(0), rows)
-    mask = np.asarray(jax.jit(jax.vmap(functools.partial(pretrain.region_mask,
+    mask = np.asarray(jax.jit(jax.vmap(functools.partial(idc_pcl_pretraining.region_mask,
                                                          num_regions=n)))(keys))
     on1, on2 = mask[:, :n].any(1), mask[:, n:].any(1)
     assert np.all(on1 ^ on2)  # at least one region, on one image only
@@ -153,8 +156,8 @@ def test_step_loss_equals_the_single_device_function(trainer, initial, forward, 
     model, params = trainer.model, {"params": initial.params}
     samples = len(host["ids"])
     assert samples == trainer.batch_sizes[task]
-    keys = pretrain.sample_keys(jax.random.fold_in(jax.random.fold_in(initial.rng, step),
-                                                   train.INPUTS_FOLD), jnp.arange(samples))
+    keys = idc_pcl_pretraining.sample_keys(jax.random.fold_in(jax.random.fold_in(initial.rng, step),
+                                                   base.INPUTS_FOLD), jnp.arange(samples))
     img1, img2 = host["img1"].astype(np.float32), host["img2"].astype(np.float32)
     ids = host["ids"]
     if task == "mlm":
@@ -168,7 +171,8 @@ def test_step_loss_equals_the_single_device_function(trainer, initial, forward, 
     elif task == "mvcl":
         t1, t2 = img1.reshape(samples, -1, 16), img2.reshape(samples, -1, 16)
         n = t1.shape[1]
-        mask = np.asarray(jax.vmap(functools.partial(pretrain.region_mask, num_regions=n))(keys))
+        region_mask = functools.partial(idc_pcl_pretraining.region_mask, num_regions=n)
+        mask = np.asarray(jax.vmap(region_mask)(keys))
         out = forward(params, np.where(mask[:, :n, None], 0.0, t1).reshape(img1.shape),
                       np.where(mask[:, n:, None], 0.0, t2).reshape(img2.shape), ids)
         want = idc_pcl_pretraining.on_one_device(idc_pcl_pretraining.mvcl_metrics, out.regressed,
@@ -195,7 +199,7 @@ def test_eight_devices_equal_one_for_an_mvcl_step(trainer, initial):
     results = []
     for devices in (1, 8):
         mesh = parallel.make_mesh(devices)
-        update = pretrain.make_task_step(trainer.model, "mvcl", trainer.optimizer, mesh,
+        update = pretraining.make_task_step(trainer.model, "mvcl", trainer.optimizer, mesh,
                                          trainer.schedule, with_grads=True)
         new, metrics, grads = update(_on(mesh, initial, step), pipeline.to_global(
             host, parallel.batch_sharding(mesh)))
@@ -226,25 +230,25 @@ def test_eight_devices_equal_one_for_an_mvcl_step(trainer, initial):
 
 
 def test_task_draw_is_seeded_and_follows_the_ratio():
-    p = pretrain.task_probabilities(TASKS, OFFICIAL_RATIO)
+    p = pretraining.task_probabilities(TASKS, OFFICIAL_RATIO)
     steps = range(1, 11_001)
-    draws = [pretrain.draw_task(1234, t, TASKS, p) for t in steps]
-    assert draws == [pretrain.draw_task(1234, t, TASKS, p) for t in steps]
-    assert draws != [pretrain.draw_task(1, t, TASKS, p) for t in steps]
+    draws = [pretraining.draw_task(1234, t, TASKS, p) for t in steps]
+    assert draws == [pretraining.draw_task(1234, t, TASKS, p) for t in steps]
+    assert draws != [pretraining.draw_task(1, t, TASKS, p) for t in steps]
     share = {t: draws.count(t) / len(draws) for t in TASKS}
     assert share["mlm"] == pytest.approx(8 / 11, abs=0.015)
     assert share["mvcl"] == pytest.approx(1 / 11, abs=0.01)
     assert share["fda"] == pytest.approx(2 / 11, abs=0.012)
     # Birds-to-Words' 9:1:2, and the Table 4 subsets: the ratio of the enabled tasks.
-    np.testing.assert_allclose(pretrain.task_probabilities(TASKS, (9, 1, 2)),
+    np.testing.assert_allclose(pretraining.task_probabilities(TASKS, (9, 1, 2)),
                                [9 / 12, 1 / 12, 2 / 12])
     two = ("mlm", "mvcl")
-    q = pretrain.task_probabilities(two, OFFICIAL_RATIO)
+    q = pretraining.task_probabilities(two, OFFICIAL_RATIO)
     np.testing.assert_allclose(q, [8 / 9, 1 / 9])
-    drawn = [pretrain.draw_task(0, t, two, q) for t in range(2000)]
+    drawn = [pretraining.draw_task(0, t, two, q) for t in range(2000)]
     assert set(drawn) == set(two) and drawn.count("mvcl") / 2000 == pytest.approx(1 / 9,
                                                                                   abs=0.02)
-    assert {pretrain.draw_task(0, t, ("mlm",), np.ones(1)) for t in range(50)} == {"mlm"}
+    assert {pretraining.draw_task(0, t, ("mlm",), np.ones(1)) for t in range(50)} == {"mlm"}
 
 
 # ---- a run: resume, validation, checkpoints, init_from ---------------------------------------
@@ -265,12 +269,12 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
     for (step, got), (want_step, want) in zip(second.history, full.history[INTERRUPT:],
                                               strict=True):
         assert step == want_step
-        task = pretrain.draw_task(SEED, step, TASKS, p)
+        task = pretraining.draw_task(SEED, step, TASKS, p)
         assert f"{task}/loss" in got and not {f"{t}/loss" for t in TASKS if t != task} & set(got)
         for timing in ("steps_per_second", "examples_per_second"):
             got.pop(timing), want.pop(timing)
         assert got == want, step  # bit-identical
-    assert set(draw for draw in (pretrain.draw_task(SEED, t, TASKS, p)
+    assert set(draw for draw in (pretraining.draw_task(SEED, t, TASKS, p)
                                  for t in range(INTERRUPT + 1, STEPS + 1))) == set(TASKS)
     # Validation: every task's val metrics, logged and written, equal after the resume.
     assert resumed_val == full_val
@@ -280,10 +284,10 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
     written = json.loads((tmp_path / "full" / "metrics" / f"pretrain_val_{STEPS}.json")
                          .read_text())
     assert written == full_val
-    scalars = [json.loads(line) for line in (tmp_path / "full" / train.SCALARS_FILE)
+    scalars = [json.loads(line) for line in (tmp_path / "full" / loop.SCALARS_FILE)
                .read_text().splitlines()]
     assert any("val/mvcl_loss" in s for s in scalars)
-    # Fine-tuning starts from it (train.init_params_from): every parameter but the pooler;
+    # Fine-tuning starts from it (checkpoints.init_params_from): every parameter but the pooler;
     # feat_regress has no place in the fine-tuning model.
     fine_config = idc_config.get_config("finetune")
     fine_config.model.update({k: trainer.config.model[k] for k in
@@ -297,7 +301,7 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
              "change_caption": ids, "no_change_caption": ids}
     shapes = jax.eval_shape(lambda: fine_model.init(jax.random.key(0), batch, train=False))
     fresh = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), shapes["params"])
-    params = train.init_params_from(fresh, tmp_path / "full", ("pooler",))
+    params = checkpoints.init_params_from(fresh, tmp_path / "full", ("pooler",))
     pretrained = checkpoints.make_checkpoint_manager(tmp_path / "full" / "checkpoints", 1).restore(
         STEPS, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
     assert "feat_regress" not in params
@@ -367,15 +371,15 @@ def test_pretraining_presets():
 def test_errors_name_the_problem(data_dir, tmp_path):
     config = tiny_pretrain(data_dir)
     config.pretrain.tasks = ("mlm", "jigsaw")
-    with pytest.raises(pretrain.PretrainError, match="jigsaw.*distinct tasks among"):
-        pretrain.PretrainTrainer(config, tmp_path)
+    with pytest.raises(pretraining.PretrainError, match="jigsaw.*distinct tasks among"):
+        pretraining.PretrainTrainer(config, tmp_path)
     config = tiny_pretrain(data_dir)
     config.pretrain.task_ratio = (8, 1)
-    with pytest.raises(pretrain.PretrainError, match=r"one weight per task.*got 2"):
-        pretrain.PretrainTrainer(config, tmp_path)
+    with pytest.raises(pretraining.PretrainError, match=r"one weight per task.*got 2"):
+        pretraining.PretrainTrainer(config, tmp_path)
     config.pretrain.task_ratio = (8, 0, 2)
-    with pytest.raises(pretrain.PretrainError, match="positive weight"):
-        pretrain.PretrainTrainer(config, tmp_path)
+    with pytest.raises(pretraining.PretrainError, match="positive weight"):
+        pretraining.PretrainTrainer(config, tmp_path)
     # A missing negatives file (without first-use preparation, as for the real datasets):
     # named, with the command that makes it.
     dataset = datasets.prepare("synthetic", data_dir, "moderate", SMALL)
@@ -385,8 +389,8 @@ def test_errors_name_the_problem(data_dir, tmp_path):
     config = tiny_pretrain(data_dir)
     config.dataset.build_if_missing = False
     try:
-        with pytest.raises(pretrain.PretrainError) as err:
-            pretrain.PretrainTrainer(config, tmp_path)
+        with pytest.raises(pretraining.PretrainError) as err:
+            pretraining.PretrainTrainer(config, tmp_path)
     finally:
         aside.rename(path)
     message = str(err.value)
@@ -398,10 +402,10 @@ def test_errors_name_the_problem(data_dir, tmp_path):
     config = tiny_pretrain(data_dir)
     config.pretrain.tasks = ("mlm",)
     config.pretrain.fda_batch_size = 3  # not a multiple of the devices, but unused
-    assert pretrain.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(1)).negatives == {}
+    assert pretraining.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(1)).negatives == {}
     config.pretrain.tasks = ("mlm", "fda")
-    with pytest.raises(pretrain.PretrainError, match="fda_batch_size = 3.*8 devices"):
-        pretrain.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(8))
+    with pytest.raises(pretraining.PretrainError, match="fda_batch_size = 3.*8 devices"):
+        pretraining.PretrainTrainer(config, tmp_path, mesh=parallel.make_mesh(8))
 
 
 def test_main_runs_pretraining_for_a_config_with_a_pretrain_block(monkeypatch, tmp_path):
@@ -418,7 +422,7 @@ def test_main_runs_pretraining_for_a_config_with_a_pretrain_block(monkeypatch, t
         def train(self):
             calls.append("train")
 
-    monkeypatch.setattr(pretrain, "PretrainTrainer", Recorder)
+    monkeypatch.setattr(pretraining, "PretrainTrainer", Recorder)
     argv = ["main", f"--config={ROOT / 'configs' / 'idc_pcl.py'}:pretrain",
             f"--workdir={tmp_path}", "--config.pretrain.tasks=('mlm', 'mvcl')"]
     monkeypatch.setattr(sys, "argv", argv)  # config_flags finds its overrides in sys.argv

@@ -19,10 +19,13 @@ import numpy as np
 import pytest
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
-from changecap_jax import checkpoints, decoding, export, parallel, predict, train
+from changecap_jax import parallel
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.models import idc_pcl
+from changecap_jax.inference import decoding, export, predict
+from changecap_jax.io import checkpoints
+from changecap_jax.models import base, idc_pcl
 from changecap_jax.models.base import IGNORE_INDEX
+from changecap_jax.trainers import captioning, loop, update
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,19 +88,19 @@ def test_mask_caption_follows_section_5_1():
 
 
 def _output_and_loss(config, data_dir, tmp_path):
-    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    trainer = captioning.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
     state = trainer.init_state()
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
     rng = jax.random.key(7)
-    loss_fn = train.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
+    loss_fn = captioning.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
     total, metrics = jax.jit(loss_fn)(state.params, batch, rng)
     out = trainer.model.apply({"params": state.params}, batch, train=True,
                               rngs={"dropout": rng,
-                                    "inputs": jax.random.fold_in(rng, train.INPUTS_FOLD)})
+                                    "inputs": jax.random.fold_in(rng, base.INPUTS_FOLD)})
     # The official per-stream loss (finetune_loss, summed) on the same masked captions, from
     # the plain fine-tuning forward.
     masked = trainer.model.apply({"params": state.params}, batch, method="masked_captions",
-                                 rngs={"inputs": jax.random.fold_in(rng, train.INPUTS_FOLD)})
+                                 rngs={"inputs": jax.random.fold_in(rng, base.INPUTS_FOLD)})
     official = []
     for stream, (after, _, label) in idc_pcl.STREAMS.items():
         np.testing.assert_array_equal(masked[stream][1], out.caption_targets[stream])
@@ -142,8 +145,8 @@ def test_eight_devices_equal_one_masks_included(data_dir, tmp_path):
 
 
 def test_early_stopping_counts_and_keeps_the_best(tmp_path):
-    stopper = train.EarlyStopping(tmp_path / "best", patience=2)
-    state = train.TrainState(step=jnp.int32(0), params={"w": jnp.zeros(2)}, opt_state=(),
+    stopper = loop.EarlyStopping(tmp_path / "best", patience=2)
+    state = update.TrainState(step=jnp.int32(0), params={"w": jnp.zeros(2)}, opt_state=(),
                              rng=jax.random.key(0))
     results = [0.5, 0.7, 0.6, 0.7, 0.65]  # the tie does not count as an improvement
     stops = []
@@ -154,10 +157,10 @@ def test_early_stopping_counts_and_keeps_the_best(tmp_path):
     assert (stopper.best, stopper.best_step) == (0.7, 2)
     best = stopper.restore(state)
     assert int(best.step) == 2 and np.all(np.asarray(best.params["w"]) == 0.7)
-    resumed = train.EarlyStopping(tmp_path / "best", patience=2)  # counts survive a restart
+    resumed = loop.EarlyStopping(tmp_path / "best", patience=2)  # counts survive a restart
     assert (resumed.best, resumed.best_step, resumed.since) == (0.7, 2, 3)
     with pytest.raises(KeyError, match="ROUGE_L"):
-        train.EarlyStopping(tmp_path / "other", 1, "ROUGE_L").update(1, {"val": {}}, state)
+        loop.EarlyStopping(tmp_path / "other", 1, "ROUGE_L").update(1, {"val": {}}, state)
 
 
 def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_path):
@@ -166,7 +169,7 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     config = tiny_idc(data_dir, num_train_steps=2, eval_every_steps=2, eval_splits=("val",),
                       final_eval_splits=("test",), early_stop_evals=1, spice="off")
     first = tmp_path / "first"
-    trainer = train.Trainer(config, first)
+    trainer = captioning.Trainer(config, first)
     trainer.train()
     record = json.loads((first / "best" / "record.json").read_text())
     assert record["metric"] == "idc/CIDEr"  # the official selection: the IDC code's CIDEr
@@ -193,12 +196,12 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
                              else str(r["image_id"])] for r in records]
 
     # A second run initialised from the first: all parameters but the pooler's are copied.
-    second = train.Trainer(tiny_idc(data_dir, seed=99), tmp_path / "second")
+    second = captioning.Trainer(tiny_idc(data_dir, seed=99), tmp_path / "second")
     fresh = second.init_state().params
-    copied = train.init_params_from(fresh, first, ("pooler",))
+    copied = checkpoints.init_params_from(fresh, first, ("pooler",))
     source = checkpoints.make_checkpoint_manager(first / "checkpoints", 1)
-    last = source.restore(source.latest_step(), args=train.ocp.args.Composite(
-        state=train.ocp.args.StandardRestore()))["state"]["params"]
+    last = source.restore(source.latest_step(), args=captioning.ocp.args.Composite(
+        state=captioning.ocp.args.StandardRestore()))["state"]["params"]
     flat = lambda t: {jax.tree_util.keystr(p): np.asarray(v)  # noqa: E731
                       for p, v in jax.tree_util.tree_leaves_with_path(t)}
     got, want, init = flat(copied), flat(last), flat(fresh)
@@ -209,9 +212,9 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     assert not np.array_equal(got["['pooler_0']['kernel']"], want["['pooler_0']['kernel']"])
     wider = {**fresh, "word_embedding": {"embedding": jnp.zeros((5, 3))}}
     with pytest.raises(ValueError, match=r"word_embedding/embedding has shape \(\d+, 16\)"):
-        train.init_params_from(wider, first, ("pooler",))
+        checkpoints.init_params_from(wider, first, ("pooler",))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train.init_params_from(fresh, tmp_path / "nowhere")
+        checkpoints.init_params_from(fresh, tmp_path / "nowhere")
 
     # Each evaluation also judges every pair with the distractor classifier (§5.6's val pass):
     # the same logits as the fine-tuning forward with the pair's caption, label 1 = semantic.

@@ -1,4 +1,4 @@
-"""The IDC-PCL evaluation protocol (evaluation.evaluate_pairs_idc) against pycocoevalcap.
+"""The IDC-PCL evaluation protocol (idc_protocol.evaluate_pairs_idc) against pycocoevalcap.
 
 IDC's eval_models.py feeds the strings as stored to the coco-caption scorers (no PTB tokeniser),
 so the expected numbers here are pycocoevalcap's scorers called directly on ``{id: [caption]}``
@@ -17,8 +17,8 @@ from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 
-from changecap_jax import evaluation
-from changecap_jax.evaluation import PairCaption
+from changecap_jax.evaluators import captions, idc_protocol
+from changecap_jax.evaluators.captions import PairCaption
 
 # CLEVR-Change-like records. Several captions carry what the PTB tokenizer changes (capitals,
 # a full stop glued to "cube.", a comma, a hyphenated word, "'s"), so the protocols disagree.
@@ -52,7 +52,7 @@ def _direct(records: list[PairCaption], meteor: Meteor) -> dict[str, float]:
     gts = {r.image_id: list(r.references) for r in records}
     res = {r.image_id: [r.caption] for r in records}
     bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
-    out = {k: 100.0 * v for k, v in zip(evaluation.BLEU_KEYS, bleu, strict=True)}
+    out = {k: 100.0 * v for k, v in zip(captions.BLEU_KEYS, bleu, strict=True)}
     out["METEOR"] = 100.0 * meteor.compute_score(gts, res)[0]
     out["ROUGE_L"] = 100.0 * Rouge().compute_score(gts, res)[0]
     out["CIDEr"] = 100.0 * Cider().compute_score(gts, res)[0]
@@ -63,15 +63,15 @@ def _direct(records: list[PairCaption], meteor: Meteor) -> dict[str, float]:
 def meteor() -> Iterator[Meteor]:
     """One METEOR JVM for the whole module (it takes ~10 s to load its paraphrase table here).
 
-    evaluation.py opens and closes one per call; sharing changes no number, since every set is
+    captions.py opens and closes one per call; sharing changes no number, since every set is
     its own EVAL request on the same jar.
     """
     proc = Meteor()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluation, "Meteor", lambda: proc)
-        mp.setattr(evaluation, "_close_meteor", lambda _m: None)
+        mp.setattr(captions, "Meteor", lambda: proc)
+        mp.setattr(captions, "_close_meteor", lambda _m: None)
         yield proc
-    evaluation._close_meteor(proc)
+    captions._close_meteor(proc)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def expected(meteor: Meteor) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def compared(meteor: Meteor) -> dict:
-    return evaluation.compare_protocols(RECORDS, spice="off")
+    return idc_protocol.compare_protocols(RECORDS, spice="off")
 
 
 def _close(a: float, b: float) -> bool:
@@ -96,7 +96,7 @@ def _close(a: float, b: float) -> bool:
 
 def test_idc_total_equals_pycocoevalcap_on_raw_strings(compared, expected):
     idc = compared["idc"]
-    for key in evaluation.IDC_METRIC_KEYS:
+    for key in idc_protocol.IDC_METRIC_KEYS:
         assert _close(idc[key], expected["total"][key]), key
     assert idc["num_pairs"] == len(RECORDS)
     assert idc["eval_protocol"] == "idc"
@@ -106,12 +106,12 @@ def test_idc_total_equals_pycocoevalcap_on_raw_strings(compared, expected):
 def test_idc_subset_rows_are_scored_alone_and_labelled(compared, expected):
     idc = compared["idc"]
     for name in ("semantic", "no_change", "color"):
-        for key in evaluation.IDC_METRIC_KEYS:
+        for key in idc_protocol.IDC_METRIC_KEYS:
             assert _close(idc[name][key], expected[name][key]), (name, key)
     assert idc["color"]["num_pairs"] == 2
-    assert set(evaluation.CHANGE_TYPES) - {"move"} <= set(idc)
+    assert set(captions.CHANGE_TYPES) - {"move"} <= set(idc)
     assert "move" not in idc  # empty subset: omitted, as in evaluate_pairs
-    assert idc["subset_rows"] == evaluation.IDC_SUBSET_NOTE
+    assert idc["subset_rows"] == idc_protocol.IDC_SUBSET_NOTE
 
 
 def test_ptb_tokenisation_changes_the_numbers(compared, expected):
@@ -129,12 +129,12 @@ def test_ptb_tokenisation_changes_the_numbers(compared, expected):
 def test_compare_protocols_and_its_table(compared):
     assert set(compared) == {"coco", "idc"}
     assert compared["coco"].get("eval_protocol") is None  # evaluate_pairs is unchanged
-    text = evaluation.format_protocol_comparison(compared)
+    text = idc_protocol.format_protocol_comparison(compared)
     lines = text.splitlines()
     assert "coco" in lines[0] and "idc" in lines[0]
     assert lines[1].split() == ["B4", "M", "R", "C", "B4", "M", "R", "C", "N"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:] if line.split()
-            and line.split()[0] in evaluation.ROW_ORDER}
+            and line.split()[0] in captions.ROW_ORDER}
     assert list(rows) == ["total", "semantic", "no_change", "color", "material", "add", "drop"]
     for name, cells in rows.items():
         coco = compared["coco"] if name == "total" else compared["coco"][name]
@@ -151,23 +151,23 @@ def test_without_change_types_only_total_and_whitespace_handling(meteor):
         PairCaption("1_2", "animal1 has a\tlonger beak", ["animal1 has a longer beak ."]),
         PairCaption("3_4", "animal2 ' s wings\nare darker", ["animal2 ' s wings are darker"]),
     ]
-    idc = evaluation.evaluate_with_protocol(records, protocol="idc", spice="off")
-    assert set(idc) == {*evaluation.IDC_METRIC_KEYS, "num_pairs", "eval_protocol"}
+    idc = idc_protocol.evaluate_with_protocol(records, protocol="idc", spice="off")
+    assert set(idc) == {*idc_protocol.IDC_METRIC_KEYS, "num_pairs", "eval_protocol"}
     flat = [PairCaption(r.image_id, " ".join(r.caption.split()), r.references) for r in records]
     want = _direct(flat, meteor)
     # BLEU / CIDEr split on any whitespace and METEOR sees collapsed lines: same as flattened.
-    for key in (*evaluation.BLEU_KEYS, "METEOR", "CIDEr"):
+    for key in (*captions.BLEU_KEYS, "METEOR", "CIDEr"):
         assert _close(idc[key], want[key]), key
 
 
 def test_protocol_argument_is_checked():
     with pytest.raises(ValueError, match="protocol"):
-        evaluation.evaluate_with_protocol(RECORDS, protocol="ptb")
+        idc_protocol.evaluate_with_protocol(RECORDS, protocol="ptb")
     with pytest.raises(ValueError, match="spice"):
-        evaluation.evaluate_with_protocol(RECORDS, protocol="idc", spice="maybe")
-    assert evaluation.PROTOCOLS == ("coco", "idc")
+        idc_protocol.evaluate_with_protocol(RECORDS, protocol="idc", spice="maybe")
+    assert idc_protocol.PROTOCOLS == ("coco", "idc")
 
 
 def test_idc_meteor_line_matches_idc_wrapper():
-    line = evaluation._idc_meteor_line("a |||  b\tc\n", ["x  y", " z"])
+    line = idc_protocol._idc_meteor_line("a |||  b\tc\n", ["x  y", " z"])
     assert line == "SCORE ||| x y ||| z ||| a b c "

@@ -1,4 +1,4 @@
-"""changecap_jax/inference_jit.py: decoding and attention maps compiled without XLA's YNNPACK
+"""changecap_jax/inference/jit.py: decoding and attention maps compiled without XLA's YNNPACK
 library fusions on CPU (docs/performance.md "Decoding"), the same results as XLA's defaults,
 and XLA's defaults where the options are unknown."""
 
@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import decoding, inference_jit
+from changecap_jax.inference import decoding, jit
 from tests.test_decoding import MODEL, _features, _random_params
 
 
 def test_cpu_options_are_known_and_used():
     assert jax.default_backend() == "cpu"
-    assert inference_jit.compiler_options() == inference_jit.CPU_OPTIONS
+    assert jit.compiler_options() == jit.CPU_OPTIONS
 
 
 def _attention_like(x: jax.Array) -> jax.Array:
@@ -27,20 +27,20 @@ def test_no_library_fusion_in_an_inference_program():
     """The same attention compiled by plain jit holds YNNPACK fusions; by inference_jit none."""
     x = jnp.ones((2, 16, 32), jnp.float32)
     plain = jax.jit(_attention_like).lower(x).compile().as_text()
-    ours = inference_jit.inference_jit(_attention_like).lower(x).compile().as_text()
+    ours = jit.inference_jit(_attention_like).lower(x).compile().as_text()
     assert "ynn_fusion" in plain
     assert "ynn_fusion" not in ours
-    np.testing.assert_allclose(inference_jit.inference_jit(_attention_like)(x),
+    np.testing.assert_allclose(jit.inference_jit(_attention_like)(x),
                                jax.jit(_attention_like)(x), rtol=1e-6)
 
 
 def test_an_unknown_option_falls_back_to_xla_defaults(monkeypatch):
-    monkeypatch.setattr(inference_jit, "CPU_OPTIONS", {"xla_cpu_no_such_option": ""})
-    inference_jit.compiler_options.cache_clear()
+    monkeypatch.setattr(jit, "CPU_OPTIONS", {"xla_cpu_no_such_option": ""})
+    jit.compiler_options.cache_clear()
     try:
-        assert inference_jit.compiler_options() == {}
+        assert jit.compiler_options() == {}
     finally:
-        inference_jit.compiler_options.cache_clear()
+        jit.compiler_options.cache_clear()
 
 
 def test_greedy_decoding_is_the_default_compiled_one():
@@ -59,4 +59,4 @@ def test_greedy_decoding_is_the_default_compiled_one():
 @pytest.fixture(autouse=True)
 def _fresh_options():
     yield
-    inference_jit.compiler_options.cache_clear()
+    jit.compiler_options.cache_clear()

@@ -10,24 +10,24 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from changecap_jax import loop, parallel, pretrain, train, update
-from changecap_jax.models import idc_pcl_pretraining
+from changecap_jax import parallel
+from changecap_jax.trainers import captioning, loop, pretraining, update
 
 
 def test_captioning_and_pretraining_run_the_same_loop(monkeypatch):
     ran = []
     monkeypatch.setattr(loop, "run", lambda task: ran.append(task) or {"ran": True})
-    captioning, pretraining = object(), object()
-    assert train.Trainer.train(captioning) == {"ran": True}
-    assert pretrain.PretrainTrainer.train(pretraining) == {"ran": True}
-    assert ran == [captioning, pretraining]
+    captioning_task, pretraining_task = object(), object()
+    assert captioning.Trainer.train(captioning_task) == {"ran": True}
+    assert pretraining.PretrainTrainer.train(pretraining_task) == {"ran": True}
+    assert ran == [captioning_task, pretraining_task]
 
 
 def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
     built = []
-    monkeypatch.setattr(idc_pcl_pretraining, "make_update_step",
+    monkeypatch.setattr(pretraining, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
-    monkeypatch.setattr(train, "make_update_step",
+    monkeypatch.setattr(captioning, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
 
     class Model:
@@ -38,9 +38,9 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
 
     model, mesh = Model(), parallel.make_mesh(1)
     rows = {"word_embedding/embedding": 0}
-    assert idc_pcl_pretraining.make_task_step(model, "mlm", None, mesh, None,
-                                              zero_grad_rows=rows) == "step"
-    assert train.make_train_step(model, None, {}, mesh, rows, None) == "step"
+    assert pretraining.make_task_step(model, "mlm", None, mesh, None,
+                                      zero_grad_rows=rows) == "step"
+    assert captioning.make_train_step(model, None, {}, mesh, rows, None) == "step"
     for kw in built:
         assert kw["zero_grad_rows"] == rows
         assert kw["post_update"] == model.post_update
@@ -78,7 +78,7 @@ def test_the_shared_update_masks_rows_and_applies_post_update():
 
 def test_host_memory_is_released_after_each_evaluation(monkeypatch):
     """Fragmentation the kept host memory gathered is given back once per evaluation
-    (changecap_jax/host_memory.py)."""
+    (changecap_jax/cpu/host_memory.py)."""
     calls = []
     monkeypatch.setattr(loop.host_memory, "release", lambda: calls.append("release"))
 

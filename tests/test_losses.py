@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import losses
+from changecap_jax.models import losses
 from changecap_jax.models.base import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
     import functools, json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from changecap_jax import losses
+    from changecap_jax.models import losses
 
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((8,), ("data",))

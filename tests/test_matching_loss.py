@@ -1,4 +1,5 @@
-"""SCORER's token-wise matching (changecap_jax/losses.py): the chunked form equals the naive one
+"""SCORER's token-wise matching (changecap_jax/models/losses.py): the chunked form equals the naive
+one
 (values and gradients), both equal a float64 NumPy reading of reference §3.1 step 4 / §3.4, and
 8 simulated devices equal one.
 
@@ -16,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from changecap_jax import losses
+from changecap_jax.models import losses
 
 
 def np_mtm(q: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""config.compute_dtype = "bfloat16" (changecap_jax/precision.py): every model's forward pass
+"""config.compute_dtype = "bfloat16" (changecap_jax/models/precision.py): every model's forward pass
 runs in bfloat16 and its losses stay within a stated distance of float32; parameters,
 optimizer state and gradients stay float32."""
 
@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax import models, parallel, precision, synthetic_inputs, train
+from changecap_jax import models, parallel
 from changecap_jax.data import pipeline
+from changecap_jax.models import precision
+from changecap_jax.tools import synthetic_inputs
+from changecap_jax.trainers import captioning, optimizers, update
 from tests.train_helpers import SMALL
 
 # Relative distance of bfloat16 from float32 allowed for each loss of a freshly initialised
@@ -42,7 +45,7 @@ def test_bfloat16_forward_and_losses_near_float32(name, preset):
     rng = jax.random.key(1)
     out = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        fn = jax.jit(train.make_loss_fn(model, dict(config.loss_weights), mesh, dtype))
+        fn = jax.jit(captioning.make_loss_fn(model, dict(config.loss_weights), mesh, dtype))
         out[dtype] = jax.device_get(fn(params, batch, rng)[1])
         # The forward itself ran in the compute dtype: the logits come out in it.
         cast_params, cast_batch = precision.cast_floating((params, batch), dtype)
@@ -60,11 +63,11 @@ def test_train_step_keeps_float32_state_and_gradients():
     config, model = _small_model("dirl", "synthetic")
     batch = _batch(model, SMALL["feature_shape"])
     params = model.init({"params": jax.random.key(0)}, batch, train=False)["params"]
-    optimizer, schedule = train.make_optimizer(config.optim, 10)
+    optimizer, schedule = optimizers.make_optimizer(config.optim, 10)
     mesh = parallel.make_mesh(1)
-    state0 = train.TrainState(step=jnp.int32(0), params=params,
+    state0 = update.TrainState(step=jnp.int32(0), params=params,
                               opt_state=optimizer.init(params), rng=jax.random.key(2))
-    steps = {d: train.make_train_step(model, optimizer, dict(config.loss_weights), mesh, {},
+    steps = {d: captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh, {},
                                       schedule, with_grads=True, compute_dtype=d)
              for d in (jnp.float32, jnp.bfloat16)}
     arrays = pipeline.to_global(batch, parallel.batch_sharding(mesh))

@@ -21,9 +21,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from train_helpers import SMALL
 
-from changecap_jax import checkpoint_steps, loop, parallel, update
+from changecap_jax import parallel
 from changecap_jax.data import datasets
 from changecap_jax.errors import TrainingDivergedError
+from changecap_jax.io import checkpoints
+from changecap_jax.trainers import loop, update
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -156,10 +158,8 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_finite_checkpoints(diverge
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: training diverged: step 2 ") and "step 1 in" in last, last
-    assert checkpoint_steps.steps(workdir / "checkpoints") == [1]
+    assert checkpoints.steps(workdir / "checkpoints") == [1]
     like = _params_like(workdir)
-    from changecap_jax import checkpoints
-
     _, params = checkpoints.restore_params(workdir, like, step=1)
     for leaf in jax.tree_util.tree_leaves(params):
         assert np.isfinite(np.asarray(leaf)).all()
@@ -167,10 +167,11 @@ def test_a_diverged_run_stops_with_one_line_and_keeps_finite_checkpoints(diverge
 
 def _params_like(workdir: Path):
     """The tiny model's parameter shapes, read from the run's own config."""
-    from changecap_jax import export, train
+    from changecap_jax.io import run_config
+    from changecap_jax.trainers import captioning
 
-    config = export.load_workdir_config(workdir)
-    trainer = train.Trainer(config, workdir / "scratch", mesh=parallel.make_mesh(1))
+    config = run_config.load_workdir_config(workdir)
+    trainer = captioning.Trainer(config, workdir / "scratch", mesh=parallel.make_mesh(1))
     return jax.eval_shape(lambda: trainer.init_state().params)
 
 
@@ -198,7 +199,7 @@ def test_stderr_off_a_terminal_holds_log_lines_only(diverged_run):
 
 def test_export_prints_no_library_info_lines(diverged_run, tmp_path):
     workdir, _ = diverged_run
-    done = _command(["changecap_jax.export", f"--workdir={workdir}", f"--out={tmp_path}/m"])
+    done = _command(["changecap_jax", "export", f"--workdir={workdir}", f"--out={tmp_path}/m"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "m").is_dir()
     info_from = {m.group(1) for line in done.stderr.splitlines()

@@ -1,4 +1,5 @@
-"""Export (changecap_jax/export.py), --mode=eval --model=DIR, and predict on raw image pairs.
+"""Export (changecap_jax/inference/export.py), --mode=eval --model=DIR, and predict on raw image
+pairs.
 
 A tiny DIRL+CCR is trained briefly on the tiny synthetic dataset; its export must caption the
 saved test images through ``predict`` exactly as ``--mode=eval`` captions the same pairs (the
@@ -20,8 +21,9 @@ import pytest
 from PIL import Image
 from train_helpers import tiny_config
 
-from changecap_jax import export, localize, predict, report, train
-from changecap_jax.data import datasets
+from changecap_jax.data import datasets, image_files
+from changecap_jax.inference import export, localize, predict, report
+from changecap_jax.trainers import captioning, loop
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 300
@@ -41,7 +43,7 @@ def trained(tmp_path_factory):
     config.dataset.options = dict(OPTIONS)
     config.optim.learning_rate = 2e-3
     workdir = tmp / "workdir"
-    train.Trainer(config, workdir).train()
+    captioning.Trainer(config, workdir).train()
     model_dir = export.export_model(workdir, tmp / "exported")
     return dataset, config, workdir, model_dir
 
@@ -63,7 +65,7 @@ def test_export_contents(trained):
     test_metrics = json.loads((workdir / "metrics" / f"test_{STEPS}.json").read_text())
     assert loaded.metrics["test"]["CIDEr"] == test_metrics["CIDEr"]
     # The parameters are the checkpoint's, bit for bit.
-    trainer = train.Trainer(config, workdir)
+    trainer = captioning.Trainer(config, workdir)
     state = trainer.restore(trainer.checkpoint_manager(), trainer.init_state())
     ours = flax.traverse_util.flatten_dict(loaded.params)
     theirs = flax.traverse_util.flatten_dict(state.params)
@@ -132,7 +134,7 @@ def _test_pairs(dataset) -> tuple[list, list[str]]:
     pairs, ids = [], []
     for i in range(len(source)):
         record = source[i]
-        paths = datasets.image_paths(dataset, record)
+        paths = image_files.image_paths(dataset, record)
         image_id = record["image_id"].decode()
         pairs += [(paths["before"], paths["after_semantic"]),
                   (paths["before"], paths["after_distractor"])]
@@ -167,7 +169,7 @@ def test_predict_equals_eval_and_features_match(trained, tmp_path):
 
 def test_eval_of_exported_model(trained, tmp_path):
     _, _, workdir, model_dir = trained
-    results = train.evaluate_exported(model_dir, tmp_path / "eval")
+    results = captioning.evaluate_exported(model_dir, tmp_path / "eval")
     original = json.loads((workdir / "metrics" / f"test_{STEPS}.json").read_text())
     assert results["test"]["CIDEr"] == pytest.approx(original["CIDEr"], abs=1e-9)
     assert _eval_captions(tmp_path / "eval") == _eval_captions(workdir)
@@ -183,7 +185,7 @@ def test_predict_command_line(trained, tmp_path):
         im.resize((173, 131)).save(jpeg, quality=90)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    args = [sys.executable, "-m", "changecap_jax.predict", f"--model={model_dir}",
+    args = [sys.executable, "-m", "changecap_jax.inference.predict", f"--model={model_dir}",
             f"--before={before}", f"--after={jpeg}", f"--out={tmp_path / 'cli'}",
             "--beam_size=3"]
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -220,7 +222,7 @@ def test_report_of_the_run_in_a_browser(trained, tmp_path):
 
     assert entry.closing_line(workdir) == (
         f"done: metrics {workdir}/metrics, captions {workdir}/captions, checkpoints "
-        f"{workdir}/checkpoints; HTML report: python -m changecap_jax.report --workdir={workdir}")
+        f"{workdir}/checkpoints; HTML report: python -m changecap_jax report --workdir={workdir}")
     out = report.build_report(workdir, "test", out=tmp_path / "report.html")
     html = out.read_text()
     root = page.parse(html)
@@ -235,7 +237,7 @@ def test_report_of_the_run_in_a_browser(trained, tmp_path):
     assert np.mean(ciders) == pytest.approx(metrics["CIDEr"], abs=0.05 + 1e-6 * len(ciders))
     assert all(len(c.find_all("img")) == 2 for c in cards)
     assert "http://" not in html and "https://" not in html
-    curves = report.read_curves(workdir / train.SCALARS_FILE)
+    curves = report.read_curves(workdir / loop.SCALARS_FILE)
     assert [s for s, _ in curves["loss"]] == list(range(25, STEPS + 1, 25))
 
     browser = page._browser()

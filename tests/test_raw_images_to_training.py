@@ -43,8 +43,8 @@ def test_raw_images_through_resnet_to_a_training_step(tmp_path, random_weights):
     record = prepared.split("val")[0]
     source = {int(r["id"]): r for r in (synthetic.split("val")[i] for i in range(2))}
     assert list(record["change_captions"]) == list(source[int(record["id"])]["change_captions"])
-    from data_prep.extract_features import extract_features
-    from data_prep.resnet import load_resnet101
+    from changecap_jax.features.extract import extract_features
+    from changecap_jax.features.resnet import load_resnet101
 
     model = load_resnet101(random_weights, 3, device=torch.device("cpu"))
     image = raw / "sc_images" / f"CLEVR_semantic_{int(record['id']):06d}.png"

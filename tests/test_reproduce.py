@@ -1,4 +1,4 @@
-"""``python -m changecap_jax.reproduce`` (changecap_jax/reproduce/) against a stand-in for the
+"""``python -m changecap_jax reproduce`` (changecap_jax/tools/reproduce/) against a stand-in for the
 official checkouts: the project's torch reference (changecap_jax/torch_reference) laid out as
 tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_reference/official_layout.py), at tiny sizes.
 With CHANGECAP_OFFICIAL_DIRL / CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same
@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from conftest import SMALL  # noqa: E402
 from torch_reference import official_layout  # noqa: E402
 
-from changecap_jax.reproduce import official, report, run  # noqa: E402
+from changecap_jax.tools.reproduce import official, report, run  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -196,7 +196,7 @@ def test_float64_refuses_float32_on_either_side(x64_restored):
     import jax.numpy as jnp
     import numpy as np
 
-    from changecap_jax.reproduce import float64
+    from changecap_jax.tools.reproduce import float64
 
     with pytest.raises(run.ReproduceError, match="float64: the official code computes float"):
         with float64.official_guard("float64"):
@@ -231,7 +231,7 @@ def test_config_the_official_code_cannot_build(checkouts):
 
 def test_without_a_checkout_exits_2_with_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "changecap_jax.reproduce", "--config=configs/dirl.py"],
+        [sys.executable, "-m", "changecap_jax.tools.reproduce", "--config=configs/dirl.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 2, done.stderr

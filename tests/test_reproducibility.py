@@ -10,8 +10,9 @@ import json
 import pytest
 from train_helpers import SMALL, tiny_config
 
-from changecap_jax import parallel, train
+from changecap_jax import parallel
 from changecap_jax.data import datasets
+from changecap_jax.trainers import captioning, loop
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +25,10 @@ def data_dir(tmp_path_factory):
 def _run(data_dir, workdir):
     config = tiny_config(data_dir, num_train_steps=4, eval_every_steps=4,
                          final_eval_splits=("val",), spice="off")
-    train.Trainer(config, workdir, mesh=parallel.make_mesh(1)).train()
+    captioning.Trainer(config, workdir, mesh=parallel.make_mesh(1)).train()
     metrics = json.loads((workdir / "metrics" / "val_4.json").read_text())
     captions = json.loads((workdir / "captions" / "val_4.json").read_text())
-    scalars = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    scalars = (workdir / loop.SCALARS_FILE).read_text().splitlines()
     return metrics, captions, [{k: v for k, v in json.loads(line).items()
                                 if not k.endswith("_per_second")} for line in scalars]
 

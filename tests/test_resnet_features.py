@@ -24,9 +24,7 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (optional: pip install -r requirements-torch.txt)")
 F = torch.nn.functional
 
-from data_prep import extract_features as ef  # noqa: E402
-from data_prep import preprocess as pp  # noqa: E402
-from data_prep import resnet  # noqa: E402
+from changecap_jax.features import extract, preprocess, resnet  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = {1: 3, 2: 4, 3: 23, 4: 3}
@@ -116,7 +114,7 @@ def two_images(tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def direct_features(random_weights, two_images) -> dict[int, np.ndarray]:
     sd = torch.load(random_weights, weights_only=True)
-    x = torch.from_numpy(pp.preprocess_batch(two_images))
+    x = torch.from_numpy(preprocess.preprocess_batch(two_images))
     with torch.no_grad():
         outs = _direct_features(sd, x)
     return {k: v.numpy() for k, v in outs.items()}
@@ -173,7 +171,7 @@ def test_loaded_weights_give_the_direct_computation(random_weights, two_images, 
     assert not model.training
     assert list(dict(model.named_children())) == (
         ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"][:4 + layer])
-    out = list(ef.extract_features(two_images, model, layer, batch_size=1))
+    out = list(extract.extract_features(two_images, model, layer, batch_size=1))
     assert [p for p, _ in out] == two_images
     feats = np.stack([f for _, f in out])
     assert feats.dtype == np.float32 and feats.shape == (2, *shape)
@@ -225,14 +223,14 @@ def test_resize_hand_computed_values():
     # Width 4 -> 2: source x = 2d + 0.5, weights (-3, 19, 19, -3)/32 on x-1 .. x+2 (clamped).
     # d=0: (-3*10 + 19*10 + 19*20 - 3*30)/32 = 14.0625; d=1: (-60+570+760-120)/32 = 35.9375.
     row = np.array([[10, 20, 30, 40]], dtype=np.uint8)
-    assert pp.resize_cubic_numpy(row, 2, 1).tolist() == [[14, 36]]
+    assert preprocess.resize_cubic_numpy(row, 2, 1).tolist() == [[14, 36]]
     rgb = np.repeat(row[:, :, None], 3, axis=2)
-    assert pp.resize_cubic_numpy(rgb, 2, 1).tolist() == [[[14] * 3, [36] * 3]]
+    assert preprocess.resize_cubic_numpy(rgb, 2, 1).tolist() == [[[14] * 3, [36] * 3]]
     # Same size is a copy (as cv::resize); a constant image stays constant.
     img = np.arange(12, dtype=np.uint8).reshape(3, 4)
-    assert np.array_equal(pp.resize_cubic_numpy(img, 4, 3), img)
+    assert np.array_equal(preprocess.resize_cubic_numpy(img, 4, 3), img)
     const = np.full((30, 45, 3), 77, dtype=np.uint8)
-    assert (pp.resize_cubic_numpy(const, 224, 224) == 77).all()
+    assert (preprocess.resize_cubic_numpy(const, 224, 224) == 77).all()
 
 
 @pytest.mark.torch
@@ -241,7 +239,7 @@ def test_resize_hand_computed_values():
 def test_resize_matches_independent_reference(shape, out_wh):
     rng = np.random.default_rng(sum(shape))
     img = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    got = pp.resize_cubic_numpy(img, *out_wh)
+    got = preprocess.resize_cubic_numpy(img, *out_wh)
     exact = _reference_resize(img, *out_wh)
     # Away from exact .5 ties (tested below) the result is the rounded, saturated value.
     clear = np.abs(exact - np.floor(exact) - 0.5) > 1e-3
@@ -258,7 +256,7 @@ def test_resize_ties_follow_opencv_simd_and_scalar_paths():
     # scalar tail (FixedPtCast, +2**21 >> 22) rounds half up -> 17. Checked against cv2.
     def run(n: int) -> list[int]:
         row = np.array([[10, 23] * n], dtype=np.uint8)
-        return pp.resize_cubic_numpy(row, n, 1)[0].tolist()
+        return preprocess.resize_cubic_numpy(row, n, 1)[0].tolist()
 
     assert run(4) == [18, 17, 17, 15]
     assert run(16) == [18] + [16] * 14 + [15]
@@ -269,7 +267,7 @@ def test_resize_ties_follow_opencv_simd_and_scalar_paths():
 def test_resize_matches_recorded_cv2_outputs():
     # opencv/opencv#22477: OpenCV's own code gives 155 at [0, 1] (the IPP path gives 156).
     img = np.array([[0, 255, 0], [255, 0, 255]], dtype=np.uint8)
-    got = pp.resize_cubic_numpy(img, 4, 3, inv_scale_x=1.5, inv_scale_y=1.5)
+    got = preprocess.resize_cubic_numpy(img, 4, 3, inv_scale_x=1.5, inv_scale_y=1.5)
     assert got.tolist() == [[0, 155, 255, 26], [127, 128, 127, 127], [255, 99, 0, 229]]
     yy, xx = np.mgrid[0:6, 0:9]
     img = np.stack([(xx * 29 + yy * 41) % 256, (xx * xx * 7 + yy * 13) % 256,
@@ -278,14 +276,14 @@ def test_resize_matches_recorded_cv2_outputs():
             [[79, 23, 54], [135, 57, 132], [186, 134, 231], [79, 34, 78], [54, 181, 84]],
             [[144, 44, 77], [212, 78, 184], [193, 155, 8], [36, 63, 152], [102, 206, 187]],
             [[221, 64, 99], [47, 98, 196], [48, 175, 118], [108, 83, 93], [164, 99, 125]]]
-    assert pp.resize_cubic_numpy(img, 5, 4).tolist() == want
+    assert preprocess.resize_cubic_numpy(img, 5, 4).tolist() == want
 
 
 @pytest.mark.torch
 def test_resize_ipp_flavour_rounds_the_unquantised_kernel():
     rng = np.random.default_rng(3)
     img = rng.integers(0, 256, size=(12, 18, 3), dtype=np.uint8)
-    got = pp.resize_cubic_numpy(img, 7, 5, flavour="ipp")
+    got = preprocess.resize_cubic_numpy(img, 7, 5, flavour="ipp")
     h, w = img.shape[:2]
     exact = np.zeros((5, 7, 3))
     for oy in range(5):
@@ -302,26 +300,26 @@ def test_resize_ipp_flavour_rounds_the_unquantised_kernel():
     clear = np.abs(exact - np.floor(exact) - 0.5) > 1e-3
     np.testing.assert_array_equal(got[clear], np.clip(np.rint(exact), 0, 255)[clear])
     with pytest.raises(ValueError, match="flavour"):
-        pp.resize_cubic_numpy(img, 7, 5, flavour="pillow")
+        preprocess.resize_cubic_numpy(img, 7, 5, flavour="pillow")
 
 
 @pytest.mark.torch
 def test_normalize_official_std_and_switch():
     img = np.zeros((2, 3, 3), dtype=np.uint8)
     img[0, 1] = (0, 128, 255)
-    out = pp.normalize(img)
+    out = preprocess.normalize(img)
     assert out.dtype == np.float32 and out.shape == (3, 2, 3)  # channels first
     np.testing.assert_allclose(out[:, 0, 1], [-0.485 / 0.229, (128 / 255 - 0.456) / 0.224,
                                               (1 - 0.406) / 0.224], rtol=1e-6)
     assert out[2, 0, 1] == pytest.approx(2.6517857, rel=1e-6)  # std 0.224, the official typo
-    fixed = pp.normalize(img, std_fix=True)
+    fixed = preprocess.normalize(img, std_fix=True)
     assert fixed[2, 0, 1] == pytest.approx(2.64, rel=1e-6)  # std 0.225
     np.testing.assert_array_equal(fixed[:2], out[:2])  # red and green unchanged
     # float64 arithmetic then float32, exactly as the official batch code.
     x = img.transpose(2, 0, 1)[None].astype(np.float32) / 255.0
-    ref = ((x - np.array(pp.MEAN).reshape(1, 3, 1, 1)) / np.array(pp.STD_OFFICIAL).reshape(
-        1, 3, 1, 1)).astype(np.float32)
-    np.testing.assert_array_equal(pp.normalize(img[None]), ref)
+    mean = np.array(preprocess.MEAN).reshape(1, 3, 1, 1)
+    ref = ((x - mean) / np.array(preprocess.STD_OFFICIAL).reshape(1, 3, 1, 1)).astype(np.float32)
+    np.testing.assert_array_equal(preprocess.normalize(img[None]), ref)
 
 
 @pytest.mark.torch
@@ -329,17 +327,17 @@ def test_read_rgb_formats(tmp_path):
     rgba = np.random.default_rng(0).integers(0, 256, size=(4, 5, 4), dtype=np.uint8)
     rgba[..., 3] = 0
     Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
-    got = pp.read_rgb(tmp_path / "a.png")
+    got = preprocess.read_rgb(tmp_path / "a.png")
     assert got.dtype == np.uint8 and got.shape == (4, 5, 3)
     np.testing.assert_array_equal(got, rgba[..., :3])  # alpha dropped, not composited
     Image.fromarray(np.full((6, 7, 3), 90, np.uint8)).save(tmp_path / "b.jpg", quality=95)
-    assert np.abs(pp.read_rgb(tmp_path / "b.jpg").astype(int) - 90).max() <= 2
+    assert np.abs(preprocess.read_rgb(tmp_path / "b.jpg").astype(int) - 90).max() <= 2
     frames = [Image.new("RGB", (3, 2), c) for c in ((255, 0, 0), (0, 0, 255))]
     frames[0].save(tmp_path / "c.gif", save_all=True, append_images=frames[1:])
-    gif = pp.read_rgb(tmp_path / "c.gif")
+    gif = preprocess.read_rgb(tmp_path / "c.gif")
     assert gif.shape == (2, 3, 3) and (gif == [255, 0, 0]).all()  # first frame
     Image.fromarray(np.full((3, 3), 60, np.uint8), "L").save(tmp_path / "d.png")
-    assert (pp.read_rgb(tmp_path / "d.png") == 60).all()
+    assert (preprocess.read_rgb(tmp_path / "d.png") == 60).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,23 +347,23 @@ def test_read_rgb_formats(tmp_path):
 @pytest.mark.torch
 def test_official_file_order(tmp_path):
     names = ["CLEVR_default_10.png", "CLEVR_default_9.png", "CLEVR_default_000011.png"]
-    assert ef.sort_image_names(names) == [
+    assert extract.sort_image_names(names) == [
         "CLEVR_default_9.png", "CLEVR_default_10.png", "CLEVR_default_000011.png"]
-    assert ef.sort_image_names(["b_2.png", "a.png", "c_1.png"]) == ["a.png", "b_2.png",
+    assert extract.sort_image_names(["b_2.png", "a.png", "c_1.png"]) == ["a.png", "b_2.png",
                                                                     "c_1.png"]
-    assert ef.sort_image_names(["x_b.png", "x_a.png"]) == ["x_a.png", "x_b.png"]
+    assert extract.sort_image_names(["x_b.png", "x_a.png"]) == ["x_a.png", "x_b.png"]
     _write_images(tmp_path, 2, size=(8, 8))
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / ".hidden.png").write_bytes(b"")
-    assert [p.name for p in ef.list_images(tmp_path)] == [
+    assert [p.name for p in extract.list_images(tmp_path)] == [
         "CLEVR_default_000000.png", "CLEVR_default_000001.png"]
-    assert ef.feature_path("out", tmp_path / "CLEVR_default_000000.png") == Path(
+    assert extract.feature_path("out", tmp_path / "CLEVR_default_000000.png") == Path(
         "out/CLEVR_default_000000.png.npy")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no images"):
-        ef.list_images(tmp_path / "empty")
+        extract.list_images(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ef.list_images(tmp_path / "absent")
+        extract.list_images(tmp_path / "absent")
 
 
 @pytest.mark.torch
@@ -373,9 +371,9 @@ def test_resume_recomputes_only_the_missing_file(tmp_path):
     images = _write_images(tmp_path / "img", 3, size=(24, 32))
     out = tmp_path / "feat"
     model = _TinyExtractor()
-    first = ef.extract_directory(tmp_path / "img", out, model, 3, batch_size=2, progress=False)
+    first = extract.extract_directory(tmp_path / "img", out, model, 3, batch_size=2, progress=False)
     assert (first.computed, first.skipped, model.calls) == (3, 0, [2, 1])
-    files = [ef.feature_path(out, p) for p in images]
+    files = [extract.feature_path(out, p) for p in images]
     before = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in files}
     arrays = [np.load(f) for f in files]
     assert all(a.shape == (1024, 14, 14) and a.dtype == np.float32 for a in arrays)
@@ -383,7 +381,7 @@ def test_resume_recomputes_only_the_missing_file(tmp_path):
 
     files[1].unlink()
     model.calls.clear()
-    second = ef.extract_directory(tmp_path / "img", out, model, 3, batch_size=2,
+    second = extract.extract_directory(tmp_path / "img", out, model, 3, batch_size=2,
                                   progress=False)
     assert (second.computed, second.skipped, model.calls) == (1, 2, [1])
     for f in (files[0], files[2]):
@@ -392,7 +390,7 @@ def test_resume_recomputes_only_the_missing_file(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(f.name for f in files)  # no temps
 
     model.calls.clear()
-    third = ef.extract_directory(tmp_path / "img", out, model, 3, progress=False)
+    third = extract.extract_directory(tmp_path / "img", out, model, 3, progress=False)
     assert (third.computed, third.skipped, model.calls) == (0, 3, [])
 
 
@@ -402,27 +400,27 @@ def test_incomplete_outputs_are_recomputed(tmp_path):
     out = tmp_path / "feat"
     out.mkdir()
     good = np.ones((1024, 14, 14), np.float32)
-    np.save(ef.feature_path(out, images[0]), good)
-    np.save(ef.feature_path(out, images[1]), np.ones((2048, 7, 7), np.float32))  # wrong layer
-    full = ef.feature_path(out, images[2])
+    np.save(extract.feature_path(out, images[0]), good)
+    np.save(extract.feature_path(out, images[1]), np.ones((2048, 7, 7), np.float32))  # wrong layer
+    full = extract.feature_path(out, images[2])
     np.save(full, good)
     full.write_bytes(full.read_bytes()[:1000])  # truncated
-    assert ef.is_complete(ef.feature_path(out, images[0]), (1024, 14, 14))
-    assert not ef.is_complete(full, (1024, 14, 14))
+    assert extract.is_complete(extract.feature_path(out, images[0]), (1024, 14, 14))
+    assert not extract.is_complete(full, (1024, 14, 14))
     model = _TinyExtractor()
-    summary = ef.extract_directory(tmp_path / "img", out, model, 3, progress=False)
+    summary = extract.extract_directory(tmp_path / "img", out, model, 3, progress=False)
     assert (summary.computed, summary.skipped, model.calls) == (2, 1, [2])
     for p in images:
-        assert ef.is_complete(ef.feature_path(out, p), (1024, 14, 14))
+        assert extract.is_complete(extract.feature_path(out, p), (1024, 14, 14))
 
 
 @pytest.mark.torch
 def test_atomic_save_leaves_no_partial_file(tmp_path):
     target = tmp_path / "x.png.npy"
     with pytest.raises(ValueError):
-        ef.save_npy_atomic(target, np.array([object()]))  # np.save refuses object arrays
+        extract.save_npy_atomic(target, np.array([object()]))  # np.save refuses object arrays
     assert list(tmp_path.iterdir()) == []
-    ef.save_npy_atomic(target, np.arange(3, dtype=np.float32))
+    extract.save_npy_atomic(target, np.arange(3, dtype=np.float32))
     assert np.load(target).tolist() == [0, 1, 2] and len(list(tmp_path.iterdir())) == 1
 
 
@@ -436,7 +434,7 @@ def test_missing_weights_file(tmp_path):
     with pytest.raises(resnet.WeightsError, match="nope.pth.*does not exist"):
         resnet.load_resnet101(missing)
     with pytest.raises(resnet.WeightsError, match="nope.pth"):
-        ef.extract_features([tmp_path / "a.png"], missing)
+        extract.extract_features([tmp_path / "a.png"], missing)
 
 
 @pytest.mark.torch
@@ -490,11 +488,11 @@ def test_unreadable_image_is_named_and_earlier_outputs_kept(tmp_path):
     images = _write_images(tmp_path / "img", 1, size=(16, 16))
     bad = tmp_path / "img" / "CLEVR_default_000001.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
-    with pytest.raises(pp.ImageReadError, match="CLEVR_default_000001.png"):
-        pp.read_rgb(bad)
+    with pytest.raises(preprocess.ImageReadError, match="CLEVR_default_000001.png"):
+        preprocess.read_rgb(bad)
     out = tmp_path / "feat"
-    with pytest.raises(pp.ImageReadError, match="CLEVR_default_000001.png"):
-        ef.extract_directory(tmp_path / "img", out, _TinyExtractor(), 3, batch_size=1,
+    with pytest.raises(preprocess.ImageReadError, match="CLEVR_default_000001.png"):
+        extract.extract_directory(tmp_path / "img", out, _TinyExtractor(), 3, batch_size=1,
                              progress=False)
     assert sorted(p.name for p in out.iterdir()) == [f"{images[0].name}.npy"]
 

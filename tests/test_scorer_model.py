@@ -20,13 +20,15 @@ import numpy as np
 import pytest
 import scipy.special
 
-from changecap_jax import decoding, parallel, train
+from changecap_jax import parallel
 from changecap_jax.data import pipeline
 from changecap_jax.data.streams import STREAM_KEYS as STREAMS
 from changecap_jax.data.streams import make_caption_targets
+from changecap_jax.inference import decoding
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.layers import sinusoid_table
 from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR
+from changecap_jax.trainers import captioning, optimizers
 from configs import scorer as scorer_config
 
 B, H, W, C, L, V = 4, 4, 4, 6, 8, 12
@@ -496,7 +498,7 @@ def test_full_loss_and_gradients_8_devices_equal_1():
     results = []
     for n in (1, 8):
         mesh = parallel.make_mesh(n)
-        loss_fn = train.make_loss_fn(m, weights, mesh)
+        loss_fn = captioning.make_loss_fn(m, weights, mesh)
         arrays = jax.device_put(b, parallel.batch_sharding(mesh))
         grads, metrics = jax.jit(jax.grad(loss_fn, has_aux=True))(
             variables["params"], arrays, jax.random.key(0))
@@ -549,7 +551,7 @@ def _data_dir(small_synthetic) -> str:
 
 
 def _steps(config, workdir, num_steps: int, *, logit_scale: float | None = None):
-    trainer = train.Trainer(config, workdir, mesh=parallel.make_mesh(1))
+    trainer = captioning.Trainer(config, workdir, mesh=parallel.make_mesh(1))
     state = trainer.init_state()
     if logit_scale is not None:
         params = set_param(state.params, "encoder/scorer_1/attention/logit_scale", logit_scale)
@@ -600,7 +602,7 @@ def test_switch_trains_cbr():
         optim = scorer_config.get_config("clevr_change").optim
         if frozen is not None:
             optim.frozen = frozen
-        optimizer, _ = train.make_optimizer(optim, steps_per_epoch=10)
+        optimizer, _ = optimizers.make_optimizer(optim, steps_per_epoch=10)
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
         moved = {k: bool(np.abs(np.asarray(v["w"])).max() > 0) for k, v in updates.items()}
         assert moved == {"encoder": True, "decoder": True, "cbr": cbr_moves}, optim.frozen

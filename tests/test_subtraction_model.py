@@ -27,10 +27,11 @@ from test_scorer_model import (
     set_param,
 )
 
-from changecap_jax import parallel, train
+from changecap_jax import parallel
 from changecap_jax.data import pipeline
 from changecap_jax.data.streams import make_caption_targets
 from changecap_jax.models.subtraction import Subtraction
+from changecap_jax.trainers import captioning
 from configs import subtraction as subtraction_config
 
 SUB_TINY = dict(TINY)
@@ -125,7 +126,7 @@ def test_trains_a_few_steps_with_the_trainer(small_synthetic, tmp_path):
     config.model.update(hidden_dim=32, num_heads=4, word_dim=16, decoder_layers=1,
                         pairs="semantic_only")
     config.update(batch_size=16, eval_batch_size=8)
-    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    trainer = captioning.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
     state = trainer.init_state()
     before = jax.device_get(state.params)
     loader = iter(trainer.train_loader())

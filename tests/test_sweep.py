@@ -1,4 +1,4 @@
-"""``python -m changecap_jax.sweep`` (changecap_jax/sweep.py): a two-value sweep of a tiny
+"""``python -m changecap_jax sweep`` (changecap_jax/tools/sweep.py): a two-value sweep of a tiny
 Subtraction model on the small synthetic set (one training step, the 10-pair test split),
 its table, JSON and plot, a rerun that skips both values, and the one-line errors.
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import SMALL
 
-from changecap_jax import cli, sweep
+from changecap_jax import cli
+from changecap_jax.tools import sweep
 from configs import subtraction
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def run_sweep(args: list[str]) -> subprocess.CompletedProcess:
                                 if "device_count" not in f)
     env.update(JAX_PLATFORMS="cpu", CHANGECAP_COMPILATION_CACHE="0", PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "changecap_jax.sweep", "--config=configs/subtraction.py", *args],
+        [sys.executable, "-m", "changecap_jax", "sweep", "--config=configs/subtraction.py", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 from torch_reference import snapshot  # noqa: E402
 
-from changecap_jax.torch_reference import dirl, scorer  # noqa: E402
+from changecap_jax.tools.torch_reference import dirl, scorer  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "official"
 APPENDIX_PAGE = {"A": "scorer.md", "B": "dirl.md"}

@@ -17,8 +17,10 @@ import optax
 import pytest
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_config
 
-from changecap_jax import checkpoints, parallel, train
+from changecap_jax import parallel
 from changecap_jax.data import datasets, pipeline
+from changecap_jax.io import checkpoints
+from changecap_jax.trainers import captioning, loop, optimizers
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_eight_devices_equal_one(data_dir, tmp_path):
 
 def test_update_changes_params_and_masks_padding_row(data_dir, tmp_path):
     config = tiny_config(data_dir)
-    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    trainer = captioning.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
     state = trainer.init_state()
     before = jax.device_get(state.params)
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
@@ -56,23 +58,23 @@ def _with_workers(config, workers):
 
 
 def _logged_steps(workdir: Path) -> list[int]:
-    lines = (workdir / train.SCALARS_FILE).read_text().splitlines()
+    lines = (workdir / loop.SCALARS_FILE).read_text().splitlines()
     return [json.loads(line)["step"] for line in lines]
 
 
 def test_resume_continues_exactly(data_dir, tmp_path):
     # The reading workers change neither the batches nor the checkpointed data position:
     # 0 workers uninterrupted == 2 workers, interrupted, resumed with 1.
-    full = train.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full")
+    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full")
     full.train()
-    first = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=3), 2),
+    first = captioning.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=3), 2),
                           tmp_path / "resumed")
     first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
     # A crash after logging steps the checkpoint does not hold (and mid-line): the resume
     # replays them, and scalars.jsonl keeps one line per step.
-    with (tmp_path / "resumed" / train.SCALARS_FILE).open("a") as fh:
+    with (tmp_path / "resumed" / loop.SCALARS_FILE).open("a") as fh:
         fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
-    second = train.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
+    second = captioning.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
                            tmp_path / "resumed")
     second.train()
     assert [s for s, _ in second.history] == [4, 5, 6]
@@ -80,7 +82,7 @@ def test_resume_continues_exactly(data_dir, tmp_path):
         assert resumed["loss"] == uninterrupted["loss"], step
         assert resumed["loss/dirl"] == uninterrupted["loss/dirl"], step
     assert _logged_steps(tmp_path / "resumed") == [1, 2, 3, 4, 5, 6]
-    logged = (tmp_path / "resumed" / train.SCALARS_FILE).read_text().splitlines()
+    logged = (tmp_path / "resumed" / loop.SCALARS_FILE).read_text().splitlines()
     assert 9.0 not in [json.loads(line)["loss"] for line in logged]
 
 
@@ -95,7 +97,7 @@ def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp
     shard.write_bytes(bytes(raw))
     config = tiny_config(str(data), num_train_steps=4, eval_every_steps=2, eval_splits=("val",))
     with pytest.raises(Exception):  # noqa: B017 - whatever the reader raises for the damage
-        train.Trainer(config, tmp_path / "run").train()
+        captioning.Trainer(config, tmp_path / "run").train()
     manager = checkpoints.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
     assert manager.all_steps() == [2]
 
@@ -104,7 +106,7 @@ def test_learning_rate_steps_per_epoch():
     import ml_collections
     optim = ml_collections.ConfigDict(dict(learning_rate=2e-4, decay_factor=0.1,
                                            decay_every_epochs=15))
-    schedule = train.learning_rate_schedule(optim, steps_per_epoch=265)
+    schedule = optimizers.learning_rate_schedule(optim, steps_per_epoch=265)
     # Updates 1..3975 at 2e-4, 3976..7950 at 2e-5 (reference §3.8); count = updates made.
     assert schedule(0) == pytest.approx(2e-4) and schedule(3974) == pytest.approx(2e-4)
     assert schedule(3975) == pytest.approx(2e-5) and schedule(7949) == pytest.approx(2e-5)
@@ -114,20 +116,20 @@ def test_learning_rate_steps_per_epoch():
 def test_noam_and_piecewise_schedules_match_the_idc_recipe():
     import ml_collections
     # Pretraining (§5.6): 1e-4 * min(t / 8000, sqrt(8000 / t)), 1e-8 at t = 0.
-    noam = train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+    noam = optimizers.learning_rate_schedule(ml_collections.ConfigDict(dict(
         learning_rate=1e-4, schedule="noam", warmup_steps=8000)), steps_per_epoch=1)
     for t, want in [(0, 1e-8), (1, 1e-4 / 8000), (4000, 5e-5), (8000, 1e-4),
                     (32_000, 5e-5), (250_000, 1e-4 * (8000 / 250_000) ** 0.5)]:
         assert float(noam(t)) == pytest.approx(want, rel=1e-6), t
     # Fine-tuning: 3e-5 below 10k updates, 1.5e-5 below 20k, 7.5e-6 after.
-    piecewise = train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+    piecewise = optimizers.learning_rate_schedule(ml_collections.ConfigDict(dict(
         learning_rate=3e-5, schedule="piecewise", decay_factor=0.5,
         boundaries=(20_000, 10_000))), steps_per_epoch=1)
     for t, want in [(0, 3e-5), (9_999, 3e-5), (10_000, 1.5e-5), (19_999, 1.5e-5),
                     (20_000, 7.5e-6), (100_000, 7.5e-6)]:
         assert float(piecewise(t)) == pytest.approx(want, rel=1e-6), t
     with pytest.raises(ValueError, match="optim.schedule"):
-        train.learning_rate_schedule(ml_collections.ConfigDict(dict(
+        optimizers.learning_rate_schedule(ml_collections.ConfigDict(dict(
             learning_rate=1.0, schedule="cosine")), steps_per_epoch=1)
 
 
@@ -136,7 +138,7 @@ def test_weight_decay_is_torch_adams_l2_term():
     optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay_factor=0.1,
         decay_every_epochs=0, grad_clip_norm=0.0, weight_decay=0.1))
-    opt, _ = train.make_optimizer(optim, steps_per_epoch=1)
+    opt, _ = optimizers.make_optimizer(optim, steps_per_epoch=1)
     p = np.array([2.0, -1.0], np.float32); g = np.array([0.0, 0.3], np.float32)  # noqa: E702
     updates, _ = opt.update(g, opt.init(p), p)
     # torch: grad += wd * p before the moments, so a zero gradient still moves the weight.
@@ -160,12 +162,12 @@ def test_adam_matches_torch_formula():
 def test_finish_last_epoch_rounds_up_to_whole_epochs(data_dir, tmp_path):
     # 40 train examples, batch 16 -> 3 steps per epoch (the last one partial, as torch's
     # DataLoader without drop_last); 4 iterations -> the official loop runs 6.
-    trainer = train.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path)
+    trainer = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path)
     assert trainer.steps_per_epoch == 3 and trainer.total_train_steps == 4
     config = tiny_config(data_dir, num_train_steps=4, finish_last_epoch=True)
-    assert train.Trainer(config, tmp_path).total_train_steps == 6
+    assert captioning.Trainer(config, tmp_path).total_train_steps == 6
     config = tiny_config(data_dir, num_train_steps=6, finish_last_epoch=True)
-    assert train.Trainer(config, tmp_path).total_train_steps == 6
+    assert captioning.Trainer(config, tmp_path).total_train_steps == 6
 
 
 def test_frozen_groups_are_never_updated():
@@ -173,7 +175,7 @@ def test_frozen_groups_are_never_updated():
     optim = ml_collections.ConfigDict(dict(
         learning_rate=1e-2, b1=0.9, b2=0.999, eps=1e-8, decay_factor=0.1,
         decay_every_epochs=0, grad_clip_norm=0.0, frozen=("cbr",)))
-    opt, _ = train.make_optimizer(optim, steps_per_epoch=10)
+    opt, _ = optimizers.make_optimizer(optim, steps_per_epoch=10)
     params = {"encoder": {"w": np.ones(3, np.float32)},
               "cbr": {"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}}
     grads = jax.tree.map(lambda x: np.full_like(x, 0.5), params)
@@ -185,7 +187,7 @@ def test_frozen_groups_are_never_updated():
     np.testing.assert_array_equal(params["cbr"]["b"], 0.0)
     assert np.all(params["encoder"]["w"] < 1.0 - 1e-2)  # two Adam steps of ~lr each
     optim.frozen = ("speaker",)
-    opt, _ = train.make_optimizer(optim, steps_per_epoch=10)
+    opt, _ = optimizers.make_optimizer(optim, steps_per_epoch=10)
     with pytest.raises(KeyError, match="speaker"):
         opt.init(params)
 
@@ -193,7 +195,7 @@ def test_frozen_groups_are_never_updated():
 def test_loss_weights_must_match_aux_losses(data_dir, tmp_path):
     config = tiny_config(data_dir)
     config.loss_weights = {"dirl": 0.5}
-    trainer = train.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
+    trainer = captioning.Trainer(config, tmp_path, mesh=parallel.make_mesh(1))
     state = trainer.init_state()
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
     with pytest.raises(ValueError, match="must name exactly the model's auxiliary losses"):
@@ -226,7 +228,7 @@ def test_two_processes_equal_one_process(data_dir, tmp_path):
 
     # The same global batches in one process: process shares concatenated in process order.
     config = tiny_config(data_dir, batch_size=8)
-    trainer = train.Trainer(config, tmp_path / "single", mesh=parallel.make_mesh(4))
+    trainer = captioning.Trainer(config, tmp_path / "single", mesh=parallel.make_mesh(4))
     shares = [iter(pipeline.train_loader(trainer.dataset.split("train"), global_batch_size=8,
                                          seed=config.seed, process_index=p, process_count=2))
               for p in range(2)]

@@ -1,4 +1,4 @@
-"""One run per workdir (changecap_jax/workdir_lock.py): a second run is refused at start with
+"""One run per workdir (changecap_jax/io/workdir_lock.py): a second run is refused at start with
 one line naming the holder, a lock whose holder is gone is taken over with a warning, and the
 temporary folders of a killed run's unfinished saves are removed by the next run."""
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from changecap_jax import checkpoints, cli, workdir_lock
+from changecap_jax import cli
 from changecap_jax.errors import WorkdirBusyError
+from changecap_jax.io import checkpoints, workdir_lock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +121,7 @@ def test_a_writer_removes_unfinished_saves_a_reader_does_not(tmp_path):
 
 
 def test_export_refuses_a_workdir_its_run_is_still_writing(tmp_path):
-    from changecap_jax import export
+    from changecap_jax.inference import export
 
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     me = workdir_lock.acquire(tmp_path, "main (training)")
@@ -133,7 +134,8 @@ def test_export_refuses_a_workdir_its_run_is_still_writing(tmp_path):
 MULTIHOST_SCRIPT = """
 import json, os, sys
 import jax
-from changecap_jax import parallel, workdir_lock
+from changecap_jax import parallel
+from changecap_jax.io import workdir_lock
 from changecap_jax.errors import WorkdirBusyError
 process_id, port, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 parallel.initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")

@@ -42,14 +42,15 @@ def tiny_config(data_dir: str, **overrides) -> ml_collections.ConfigDict:
 def _one_step(config, workdir, num_devices, batch):
     import jax
 
-    from changecap_jax import parallel, train
+    from changecap_jax import parallel
     from changecap_jax.data import pipeline
+    from changecap_jax.trainers import captioning
 
-    trainer = train.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
+    trainer = captioning.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
     state = trainer.init_state()
     arrays = pipeline.to_global(batch, trainer.data_sharding)
     # The trainer's own update, also returning the gradients (one compile for both).
-    step = train.make_train_step(
+    step = captioning.make_train_step(
         trainer.model, trainer.optimizer, dict(config.loss_weights), trainer.mesh,
         dict(config.optim.zero_grad_rows), trainer.schedule, with_grads=True)
     state, metrics, grads = step(state, arrays)
@@ -63,10 +64,11 @@ def assert_eight_devices_equal_one(config, tmp_path) -> dict:
     import jax
     import numpy as np
 
-    from changecap_jax import parallel, train
+    from changecap_jax import parallel
+    from changecap_jax.trainers import captioning
 
     assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    loader = train.Trainer(config, tmp_path / "x", mesh=parallel.make_mesh(1)).train_loader()
+    loader = captioning.Trainer(config, tmp_path / "x", mesh=parallel.make_mesh(1)).train_loader()
     batch = next(iter(loader))
     params1, grads1, metrics1 = _one_step(config, tmp_path / "a", 1, batch)
     params8, grads8, metrics8 = _one_step(config, tmp_path / "b", 8, batch)
@@ -96,13 +98,14 @@ def multihost_worker(process_id: int, port: int, data_dir: str, workdir: str) ->
     """One of two processes with 2 CPU devices each: trains 3 steps, prints the losses."""
     import jax
 
-    from changecap_jax import parallel, train
+    from changecap_jax import parallel
+    from changecap_jax.trainers import captioning
 
     parallel.initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     # The final evaluation exercises the cross-process gather of decoded captions.
     config = tiny_config(data_dir, batch_size=8, final_eval_splits=("val",))
-    trainer = train.Trainer(config, workdir)
+    trainer = captioning.Trainer(config, workdir)
     trainer.train()
     if process_id == 0:
         print("LOSSES " + json.dumps(trainer.history))

@@ -1,9 +1,9 @@
 """Import official PyTorch checkpoints (SCORER / DIRL snapshots, IDC-PCL state_dicts) into our
 orbax checkpoints.
 
-    python -m changecap_jax.convert --config=configs/dirl.py:clevr_change \
+    python -m changecap_jax convert --config=configs/dirl.py:clevr_change \
         --torch_checkpoint=PATH.pt --workdir=DIR [--extra_params=PATH] [--missing=error|init]
-    python -m changecap_jax.convert --config=configs/idc_pcl.py:finetune/DATASET \
+    python -m changecap_jax convert --config=configs/idc_pcl.py:finetune/DATASET \
         --torch_checkpoint=PATH.pt --dict_json=dict.json --workdir=DIR
 
 writes ``DIR/checkpoints/<step>`` that ``python -m changecap_jax.main --config=... --workdir=DIR

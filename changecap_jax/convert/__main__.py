@@ -1,11 +1,11 @@
-"""``python -m changecap_jax.convert``: official PyTorch snapshot -> orbax checkpoint.
+"""``python -m changecap_jax convert``: official PyTorch snapshot -> orbax checkpoint.
 
 Supported models: DIRL+CCR (configs/dirl.py:clevr_change / clevr_dc), SCORER+CBR
 (configs/scorer.py:clevr_change ...) and IDC-PCL (configs/idc_pcl.py:finetune/DATASET), e.g.
 
-    python -m changecap_jax.convert --config=configs/scorer.py:clevr_change \
+    python -m changecap_jax convert --config=configs/scorer.py:clevr_change \
         --torch_checkpoint=scorer_checkpoint_10000.pt --workdir=DIR --extra_params=cbr.pt
-    python -m changecap_jax.convert --config=configs/idc_pcl.py:finetune/clevr_change \
+    python -m changecap_jax convert --config=configs/idc_pcl.py:finetune/clevr_change \
         --torch_checkpoint=best_checkpoint.pt --dict_json=dataset_clver/dict.json --workdir=DIR
 
 (SCORER's CBR ``generator`` is never in the official snapshot: pass its state_dict with

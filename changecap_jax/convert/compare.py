@@ -21,14 +21,14 @@ Flax's ``capture_intermediates`` and returns, as NumPy arrays under stable names
   the fields of plain tuple outputs (``output_fields``);
 * ``"loss"`` — caption_ce + sum of ``config.loss_weights[name] * aux/name`` (the trainer's total).
 
-PyTorch equivalents for DIRL+CCR (``changecap_jax/torch_reference/dirl.py``):
+PyTorch equivalents for DIRL+CCR (``changecap_jax/tools/torch_reference/dirl.py``):
 ``DIRL(...).diff_bef`` -> ``encoder/semantic/diff_before``; ``CCRSpeaker.memory`` ->
 ``decoder.memory/semantic``; ``CCROutput.logits / t / v`` -> ``decoder/semantic/{logits,t,v}``;
 ``dirl_losses`` ``cap_pos`` / ``cap_neg`` / ``dirl_pos`` / ``ccr_neg`` / ``total`` ->
 ``caption_ce/semantic`` / ``caption_ce/distractor`` / ``aux/dirl/semantic`` /
 ``aux/ccr/distractor`` / ``loss``.
 
-PyTorch equivalents for SCORER+CBR (``changecap_jax/torch_reference/scorer.py``):
+PyTorch equivalents for SCORER+CBR (``changecap_jax/tools/torch_reference/scorer.py``):
 ``ChangeDetector(...).memory`` -> ``encoder/{stream}/memory``; ``.sim_bef`` / ``.sim_aft`` (the
 last layer's (B, B) S1 / S2) -> ``encoder/{stream}/sim_before`` / ``sim_after`` (formed from the
 captured ``encoder/{stream}/matching/{0,1}/{query,key,logit_scale}``); ``.input_bef`` /
@@ -55,9 +55,10 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from changecap_jax import checkpoints, losses, models
+from changecap_jax import models
 from changecap_jax.convert import registry
-from changecap_jax.models import contract
+from changecap_jax.io import checkpoints
+from changecap_jax.models import contract, losses
 
 
 def load_params(workdir: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def forward_outputs(
     Args:
       config: the run config (``model``, ``loss_weights``, ``decode.max_len``).
       workdir_or_params: a workdir holding ``checkpoints/`` (e.g. written by
-        ``python -m changecap_jax.convert``) or a Flax param tree.
+        ``python -m changecap_jax convert``) or a Flax param tree.
       batch: the model's training batch in our layout, e.g. for DIRL ``before``,
         ``after_semantic``, ``after_distractor`` (B, H, W, C) float features without coordinate
         channels and ``change_caption``, ``no_change_caption`` (B, L) int ids (START = 2,

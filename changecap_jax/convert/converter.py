@@ -1,6 +1,6 @@
 """Official PyTorch snapshot -> orbax checkpoint that the trainer restores.
 
-:func:`convert_checkpoint` (behind ``python -m changecap_jax.convert``):
+:func:`convert_checkpoint` (behind ``python -m changecap_jax convert``):
 
 1. reads the snapshot in the model's official format (:mod:`.torch_checkpoint`; reference
    §3.6 / §4.5; IDC-PCL §6: the pretraining dict or the fine-tuning state_dict);
@@ -51,16 +51,17 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from changecap_jax import checkpoints, export, models, train
+from changecap_jax import models
 from changecap_jax.convert import registry, tables
 from changecap_jax.convert.errors import ConversionError, KeyMismatchError
 from changecap_jax.convert.model_converter import ModelConverter
-from changecap_jax.convert.torch_checkpoint import (  # noqa: F401 (read_official_snapshot)
+from changecap_jax.convert.torch_checkpoint import (
     OfficialSnapshot,
-    read_official_snapshot,
     read_state_dict,
 )
 from changecap_jax.data import datasets, pipeline
+from changecap_jax.io import checkpoints, run_config
+from changecap_jax.trainers import captioning, optimizers, update
 
 MISSING_POLICIES = ("error", "init")
 MAX_LISTED = 30  # problems listed in an error message (all are in KeyMismatchError.problems)
@@ -199,7 +200,7 @@ def init_params(config: ml_collections.ConfigDict, model: Any, model_converter: 
     else:
         args, kwargs = model_converter.init_inputs(model, sizes)
     # The trainer's own initialisation key.
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), train.INIT_FOLD)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), captioning.INIT_FOLD)
     init = lambda: model.init({"params": key}, *args, **kwargs)["params"]  # noqa: E731
     return jax.eval_shape(init) if abstract else jax.jit(init)()
 
@@ -357,15 +358,15 @@ def read_extra_params(
 
 
 def _train_state(config: ml_collections.ConfigDict, params: Any, dataset: Any | None,
-                 step: int) -> train.TrainState:
+                 step: int) -> update.TrainState:
     """The trainer's state around ``params``: fresh Adam moments (the official snapshots hold
     none) with the schedule of the config's dataset, the config's PRNG key."""
     steps_per_epoch = 1
     if dataset is not None:
         num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
         steps_per_epoch = math.ceil(num_train / config.batch_size)
-    optimizer, _ = train.make_optimizer(config.optim, steps_per_epoch)
-    return train.TrainState(step=jnp.int32(step), params=params,
+    optimizer, _ = optimizers.make_optimizer(config.optim, steps_per_epoch)
+    return update.TrainState(step=jnp.int32(step), params=params,
                             opt_state=optimizer.init(params),
                             rng=jax.random.PRNGKey(config.seed))
 
@@ -393,7 +394,7 @@ def _data_item(config: ml_collections.ConfigDict, dataset: Any | None,
 
 
 def _save(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], step: int,
-          state: train.TrainState, dataset: Any | None, report: ConversionReport) -> None:
+          state: update.TrainState, dataset: Any | None, report: ConversionReport) -> None:
     """Writes ``workdir/checkpoints/<step>`` with the trainer's manager and items, into an
     empty workdir only."""
     directory = Path(workdir) / "checkpoints"
@@ -461,5 +462,5 @@ def convert_checkpoint(
     report.step = int(step)
     _save(config, workdir, step, _train_state(config, params, dataset, step), dataset, report)
     report.workdir = str(workdir)
-    export.save_config(workdir, config)  # so export / report can rebuild the run
+    run_config.save_config(workdir, config)  # so export / report can rebuild the run
     return report

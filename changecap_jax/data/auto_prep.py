@@ -21,8 +21,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from changecap_jax.data import building, entities, entity_inputs, entity_retrieval, negatives
-from changecap_jax.data import hard_negatives as hn
+from changecap_jax.data import building, entity_inputs, negatives
+from changecap_jax.prep import entities, entity_retrieval
+from changecap_jax.prep import hard_negatives as hn
 
 
 def _remove_temp_files(directory: Path, names: list[str], what: str) -> None:
@@ -82,6 +83,6 @@ def make_hard_negatives(dataset: Any) -> list[Path]:
             path = negatives.negatives_path(directory, split)
             hn.write_negatives(records, path)
             logging.info("wrote %d pairs x %d negatives to %s", len(records),
-                         hn.NUM_NEGATIVES, path)
+                         negatives.NUM_NEGATIVES, path)
             written.append(path)
         return written

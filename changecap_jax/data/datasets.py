@@ -29,7 +29,6 @@ import tensorflow_datasets as tfds
 
 from changecap_jax import console
 from changecap_jax.data import auto_prep, building, entity_inputs, schema
-from changecap_jax.data.image_files import image_paths  # noqa: F401  (datasets.image_paths)
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError

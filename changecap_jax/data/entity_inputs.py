@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from changecap_jax.errors import UserError
-from changecap_jax.jsonio import read_json
+from changecap_jax.io.jsonio import read_json
 
 RETRIEVAL_DIR = "entity_retrieval"
 FORMAT = "changecap_jax.entity_retrieval/1"

@@ -5,7 +5,7 @@
 for captions ``vocab_size`` and ``text_length``), per split ``<split>.features.npy`` (N, H, W, C)
 and ``<split>.npz`` (``labels`` (N,), captions: ``caption_ids`` (N, K, L) + ``num_captions``).
 :func:`open_source` reads and checks one split (errors name the file and the key); the two
-sample sources below turn it into grain-readable rows for ``changecap_jax.pretrain``:
+sample sources below turn it into grain-readable rows for ``changecap_jax.trainers.pretraining``:
 
 * :class:`CaptionPseudoPairs` (GIC, CUB): image i is the pseudo pair (its grid, an EMPTY second
   image) with its captions; the empty image is read as a zero grid of the same shape (A.3 draws

@@ -22,7 +22,7 @@ its per-record seeds), so its checkpoints resume exactly too.
 :func:`to_global` turns one process's local batch into global ``jax.Array`` s sharded over
 the mesh's data axis (``jax.make_array_from_process_local_data``). Feature grids keep their
 stored dtype (float16 / bfloat16 datasets move half the bytes); the train step and the
-decoding cast them to ``config.compute_dtype`` on the device (changecap_jax/precision.py).
+decoding cast them to ``config.compute_dtype`` on the device (changecap_jax/models/precision.py).
 
 Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """

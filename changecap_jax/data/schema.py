@@ -26,7 +26,7 @@ viewpoint_iou_semantic     () float32             how far the camera moved betwe
                                                   after_semantic: the mean IoU of the same
                                                   objects' boxes in the two images (lower:
                                                   larger change); NaN unknown (optional,
-                                                  ``changecap_jax/difficulty.py``)
+                                                  ``changecap_jax/evaluators/difficulty.py``)
 viewpoint_iou_distractor   () float32             the same for after_distractor (optional)
 =========================  =====================  ==========================================
 
@@ -41,7 +41,7 @@ Feature grids are stored in one of :data:`FEATURE_DTYPES` (``DatasetMeta.feature
 Half precision (float16, bfloat16) is written as raw little-endian bytes, 2 per value: TFDS's
 default encoding would widen float16 to a 4-byte float list (as many bytes as float32) and
 cannot hold bfloat16 at all. Readers get the stored dtype; the train step and the decoding
-cast to ``config.compute_dtype`` on the device (``changecap_jax/precision.py``), so the host
+cast to ``config.compute_dtype`` on the device (``changecap_jax/models/precision.py``), so the host
 pipeline moves half the bytes.
 
 Beside the records, each dataset directory holds ``vocab.json`` (official word -> id format),
@@ -66,7 +66,7 @@ from tensorflow_datasets.core import writer as writer_lib
 from tensorflow_datasets.proto import tf_example_pb2
 
 from changecap_jax.data.vocab import CaptionError
-from changecap_jax.jsonio import read_json, write_json_atomic
+from changecap_jax.io.jsonio import read_json, write_json_atomic
 
 VOCAB_FILE = "vocab.json"
 META_FILE = "meta.json"

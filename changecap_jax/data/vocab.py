@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from changecap_jax.errors import UserError
-from changecap_jax.jsonio import read_json, write_json_atomic
+from changecap_jax.io.jsonio import read_json, write_json_atomic
 
 NULL, UNK, START, END = "<NULL>", "<UNK>", "<START>", "<END>"
 SPECIAL_TOKENS = (NULL, UNK, START, END)

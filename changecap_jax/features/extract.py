@@ -32,7 +32,7 @@ from torch import nn
 from changecap_jax import console
 from changecap_jax.features.preprocess import preprocess_batch
 from changecap_jax.features.resnet import OUTPUT_SHAPES, load_resnet101
-from changecap_jax.jsonio import atomic_write
+from changecap_jax.io.jsonio import atomic_write
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")
 

@@ -16,7 +16,7 @@ end id, which ids are banned, whether a row stops at its end token) says so with
 ``decoding_rules`` property (:class:`DecodingRules`); ids the vocabulary does not hold (e.g. an
 appended [MASK] row) are named by an ``extra_tokens`` property {id: text}.
 
-Where a model looked (the one hook ``changecap_jax.explain`` uses for heatmaps, for every
+Where a model looked (the one hook ``changecap_jax.inference.explain`` uses for heatmaps, for every
 model): each cross-attention of the decoder to its memory sows its probabilities
 (B, heads, Lq, M) into the collection :data:`ATTENTION` when that collection is mutable
 (``model.apply(..., method="decode", mutable=[ATTENTION])``), and the model class states in
@@ -41,6 +41,9 @@ import jax
 # both the input pipeline and the models import.
 from changecap_jax.data.streams import IGNORE_INDEX as IGNORE_INDEX
 from changecap_jax.data.streams import pair_streams as pair_streams
+
+# The "inputs" rng of a training step is fold_in(step key, INPUTS_FOLD) (module docstring).
+INPUTS_FOLD = 0x1A9B7
 
 ATTENTION = "attention"  # the collection decoders sow cross-attention probabilities into
 MEMORY_LAYOUTS = ("shared_grid", "before_after")
@@ -68,7 +71,8 @@ class ModelOutput:
 
 
 class DecodingRules(NamedTuple):
-    """Token conventions of the decoding loops (``changecap_jax.decoding``). The defaults are
+    """Token conventions of the decoding loops (``changecap_jax.inference.decoding``). The defaults
+    are
     the trunk vocabulary's and the SCORER / DIRL ``sample()``: START 2, END 3, UNK (1) banned,
     a row stops at END and is written as 0 from there on. With ``stop_at_end=False`` greedy and
     sampling run all ``max_len - 1`` steps and keep the raw ids after END (beam search always

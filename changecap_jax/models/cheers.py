@@ -75,9 +75,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from changecap_jax import losses
 from changecap_jax.data import streams
-from changecap_jax.models import contract
+from changecap_jax.models import contract, losses
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import cached_step, check_decode_length, teacher_forced_words
 from changecap_jax.models.dropout import Dropout
@@ -436,7 +435,7 @@ class CHEERS(contract.TrunkModel, nn.Module):
         mean_aux = {k: sum(a[k] for a in aux) / len(aux) for k in aux[0]}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=mean_aux)
 
-    # ---- decoding protocol (changecap_jax/decoding.py) --------------------------------------
+    # ---- decoding protocol (changecap_jax/inference/decoding.py) ---
 
     def encode(self, before: Array, after: Array, *, train: bool = False,
                entities: Array | None = None) -> tuple[Array, Array | None]:

@@ -55,7 +55,7 @@ from changecap_jax.models.layers import (
     sinusoid_table,
     torch_layer_norm,
 )
-from changecap_jax.precision import at_least_float32
+from changecap_jax.models.precision import at_least_float32
 
 Array = jax.Array
 
@@ -133,7 +133,7 @@ def multi_head_attend(
         kh = k.reshape(b, k.shape[1], num_heads, dh)
         vh = v.reshape(b, v.shape[1], num_heads, dh)
     # Scores, mask and softmax in at least float32 whatever the compute dtype
-    # (changecap_jax/precision.py).
+    # (changecap_jax/models/precision.py).
     scores = at_least_float32(attention_scores(qh, kh, kv_layout)) / math.sqrt(dh)
     if additive_mask is not None:
         scores = scores + additive_mask[:, None]
@@ -343,7 +343,7 @@ class DelegatedDecoding(nn.Module):
     """``init_cache``, ``decode_step`` and ``decode`` of a model whose submodule ``decoder``
     (a Speaker or DIRL's CCR decoder) does the decoding: ``decoder.init_cache(memory, max_len)``,
     ``decoder.step(token, index)`` and ``decoder(memory, ids, train=...)[0]`` (the logits).
-    The model defines ``encode`` itself (changecap_jax/decoding.py)."""
+    The model defines ``encode`` itself (changecap_jax/inference/decoding.py)."""
 
     def init_cache(self, memory: Array, max_len: int) -> None:
         """Create the 'cache' collection: per layer, zeroed self-attention keys/values for

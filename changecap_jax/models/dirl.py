@@ -12,7 +12,8 @@ Method
    tokens X0 (B, H*W, 512), token t = i*W + j.
 2. DIRL loss (§4.1 step 2). A 2-layer MLP (512 -> 2048 -> ReLU -> dropout -> 512), shared by
    both images and used only by this loss, maps X0_bef and X0_aft to Y1, Y2. The loss
-   (:func:`changecap_jax.losses.barlow_correlation_loss`) z-scores each channel over all B*H*W
+   (:func:`changecap_jax.models.losses.barlow_correlation_loss`) z-scores each channel over all
+   B*H*W
    tokens of the global batch and pushes the cross-correlation matrix towards the identity
    (diagonal to 1: non-perturbation; off-diagonal to 0 with weight 0.003: discrimination).
 3. Shared-feature removal (§4.1 steps 3-4, paper Eq. 5-6). Two cross-attention layers
@@ -26,7 +27,8 @@ Method
 5. CCR loss (§4.2 step 3, paper Eq. 12-14). In the last decoder layer, t = mean over ALL Lt text
    positions (pads included, as the official code does) of the self-attention sub-layer output
    and v = the same mean of the cross-attention sub-layer output;
-   :func:`changecap_jax.losses.ccr_infonce_loss` applies InfoNCE with logits S + S^T, S = t v^T.
+   :func:`changecap_jax.models.losses.ccr_infonce_loss` applies InfoNCE with logits S + S^T, S = t
+   v^T.
 6. Objective (§4.3). CLEVR-Change: the model runs on (before, after_semantic, change_caption)
    and (before, after_distractor, no_change_caption); aux losses are the means of the two pairs
    and the trainer adds cap + 0.5 dirl + 0.3 ccr. CLEVR-DC: one pair, cap + 0.03 dirl + 0.05 ccr.
@@ -51,7 +53,7 @@ The 1x1 projection's kernel row c is input channel c; with coordinates, rows C a
 x and y channels (same order as AddSpatialInfo). Row 0 of ``decoder/embed/embedding`` must get a
 zero gradient (torch ``padding_idx=0``); that mask belongs to the trainer (§1.2).
 
-Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_cache``,
+Decoding protocol (used by :mod:`changecap_jax.inference.decoding`): ``encode``, ``init_cache``,
 ``decode_step``; ``decode`` is the full-recompute reference.
 """
 
@@ -64,9 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax import losses
 from changecap_jax.data import streams
-from changecap_jax.models import contract
+from changecap_jax.models import contract, losses
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import (
     DelegatedDecoding,

@@ -24,7 +24,8 @@ Method
    With a cross-task classification source (paper A.3, ``fgvc_classes`` > 0)
    :meth:`IDCPCL.cross_task_classify` runs the image difference encoder alone: the pooled
    single-image encodings feed ``fgvc_classifier`` (d -> classes), the pooled pair encoding
-   ``fgvc_matcher`` (2d -> 2, same class); the losses are in ``changecap_jax/pretrain.py``.
+   ``fgvc_matcher`` (2d -> 2, same class); the losses are in
+   ``changecap_jax/trainers/pretraining.py``.
 4. Fine-tuning (§5.4): the sequence [I; T] (no CLS3). Every query sees the 2N+2 image/CLS
    tokens, image queries see no text, text is causal. MLM logits at the text positions and the
    distractor logits ``pooler``(cat(CLS1, CLS2)).
@@ -157,7 +158,7 @@ class IDCLayerNorm(nn.Module):
         d = x.shape[-1]
         a_2 = self.param("a_2", nn.initializers.ones, (d,), jnp.float32)
         b_2 = self.param("b_2", nn.initializers.zeros, (d,), jnp.float32)
-        # Statistics in float32 whatever the compute dtype (changecap_jax/precision.py).
+        # Statistics in float32 whatever the compute dtype (changecap_jax/models/precision.py).
         xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         std = jnp.sqrt(jnp.sum((xf - mean) ** 2, axis=-1, keepdims=True) / (d - 1))
@@ -467,7 +468,8 @@ class IDCPCL(contract.TrunkModel, nn.Module):
     stop_at_eos: bool = False  # Model.greedy always runs max_len - 1 steps (§5.5)
     word_mask_probability: float = 0.15  # §5.1 mask_sent
     eos_mask_probability: float = 0.15
-    # Cross-task classification source (A.3, changecap_jax/pretrain.py): its class count adds
+    # Cross-task classification source (A.3, changecap_jax/trainers/pretraining.py): its class
+    # count adds
     # the fgvc_classifier (d -> K) and fgvc_matcher (2d -> 2) heads to the pretraining model.
     fgvc_classes: int = 0
     # CPU-preset deviations (module docstring, "Embedding balance"); 1.0 / 1.0 is the official
@@ -684,7 +686,7 @@ class IDCPCL(contract.TrunkModel, nn.Module):
         position) and ``distractor`` the classifier's CE (label 1 semantic, 0 distractor)."""
         if self.stage != "finetune":
             raise ValueError("the trunk trains stage='finetune'; pretraining has its own step "
-                             "(changecap_jax.pretrain)")
+                             "(changecap_jax.trainers.pretraining)")
         # Images may be (B, H, W, C) grids or (B, N, C) tokens: no rank check.
         streams.validate_batch(batch, self.streams, model="IDC-PCL", check_ranks=False)
         local_b = batch["before"].shape[0]
@@ -733,7 +735,7 @@ class IDCPCL(contract.TrunkModel, nn.Module):
                 keys, jnp.asarray(batch[streams.STREAMS[stream].caption], jnp.int32))
         return masked
 
-    # ---- decoding protocol (changecap_jax/decoding.py; §5.5) ---------------------------------
+    # ---- decoding protocol (changecap_jax/inference/decoding.py; §5.5) ---
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """Memory = I (B, 2N+2, d), the image/CLS part of the cross-modal input."""

@@ -1,6 +1,6 @@
 """IDC-PCL's pretraining losses over the GLOBAL batch (reference §5.1, §5.3) and their
 update step; the pretraining task that draws them (data, validation) is
-``changecap_jax/pretrain.py``.
+``changecap_jax/trainers/pretraining.py``.
 
 Each loss runs inside ``shard_map`` over the data axis and every reduction spans the GLOBAL
 batch, so N devices compute one device's loss (and a 1-device mesh the plain batch's):
@@ -17,7 +17,7 @@ batch, so N devices compute one device's loss (and a 1-device mesh the plain bat
   repeated per caption (groups of 7 stay on one device); CE of the positive among the 7
   cosine similarities, mean over the global samples.
 - the cross-task classification losses of A.3 (``ClassifyLosses``; the choices the paper
-  leaves open are listed in ``changecap_jax/pretrain.py``'s docstring).
+  leaves open are listed in ``changecap_jax/trainers/pretraining.py``'s docstring).
 
 Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from changecap_jax import parallel, precision
+from changecap_jax import parallel
 from changecap_jax.errors import UserError
-from changecap_jax.models import contract, idc_pcl
-from changecap_jax.update import INPUTS_FOLD, make_update_step
+from changecap_jax.models import idc_pcl, precision
+from changecap_jax.models.base import INPUTS_FOLD
 
 TASKS = ("mlm", "mvcl", "fda")
 REGION_MASK_PROBABILITY = 0.15  # §5.1 MVM masking
@@ -310,18 +310,3 @@ def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: b
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis), P()),
                          out_specs=(P(), P()), check_vma=False)
-
-
-def make_task_step(model: idc_pcl.IDCPCL, task: str, optimizer: Any, mesh: Any, schedule: Any,
-                   *, fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
-                   zero_grad_rows: dict[str, int] | None = None,
-                   with_grads: bool = False, skip_nonfinite: bool = False) -> Any:
-    """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
-    gradients with ``with_grads``, for tests): ``update.make_update_step`` over
-    :func:`make_task_loss`, with the trunk's gradient row mask and the model's
-    ``post_update`` where it has one. Keys as the trunk: fold_in(state.rng, step)."""
-    loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature,
-                             classify=classify)
-    return make_update_step(loss_fn, optimizer, mesh, schedule, zero_grad_rows=zero_grad_rows,
-                            post_update=contract.post_update_fn(model),
-                            with_grads=with_grads, skip_nonfinite=skip_nonfinite)

@@ -37,7 +37,7 @@ import numpy as np
 from changecap_jax.models.base import ATTENTION
 from changecap_jax.models.dropout import Dropout
 from changecap_jax.models.linear import linear
-from changecap_jax.precision import at_least_float32
+from changecap_jax.models.precision import at_least_float32
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -387,7 +387,7 @@ def sinusoid_table(length: int, dim: int, dtype: Any = np.float32) -> np.ndarray
 
 def model_input(x: jax.Array) -> jax.Array:
     """A stored input as the model computes it: bfloat16 stays bfloat16 (the trunk cast it to
-    config.compute_dtype, changecap_jax/precision.py), float64 stays float64 (x64 runs, e.g.
+    config.compute_dtype, changecap_jax/models/precision.py), float64 stays float64 (x64 runs, e.g.
     docs/reproduce.md); anything else (float16 features, integer test inputs) becomes
     float32."""
     x = jnp.asarray(x)

@@ -16,7 +16,8 @@ Method
    simultaneous: (X1, X2) <- (Layer(X1, X2), Layer(X2, X1)).
 3. View-invariant representation learning (paper Eq. 2-4; §3.1 step 4, §3.4). In the LAST layer
    only, the token-wise matching S = exp(logit_scale) * MTM(q, k) is formed over the global
-   batch (:func:`changecap_jax.losses.matching_contrastive_loss`) for both directions: S1 with
+   batch (:func:`changecap_jax.models.losses.matching_contrastive_loss`) for both directions: S1
+   with
    the before-queries against the after-keys, S2 with the roles swapped;
    L_sim = 1/2 (rowCE(S1) + rowCE(S2)). MTM sums the heads before the max (S-Q2); the field
    ``matching`` replaces it by a variant of the paper's Fig. 3 (docs/ablations.md).
@@ -29,7 +30,7 @@ Method
    self-attention without biases, residual or LN -> conv2 (1x1) gives the "hallucination" H;
    L_cbr = 1/2 (rowCE(S) + rowCE(S^T)) with S = exp(ls_c) * MTM(query(H), key(X0_aft)), one
    matching whose transpose gives the second direction
-   (:func:`changecap_jax.losses.symmetric_matching_contrastive_loss`).
+   (:func:`changecap_jax.models.losses.symmetric_matching_contrastive_loss`).
 7. Objective (§3.4). CLEVR-Change: the model runs on (before, after_semantic, change_caption) and
    (before, after_distractor, no_change_caption); each aux loss is the mean of the two pairs and
    the trainer adds cap + 0.1 sim + 0.001 cbr. The official optimiser never updates CBR (S-Q1):
@@ -45,7 +46,7 @@ y channels (the AddSpatialInfo order). Rows 0-511 of ``cbr/conv1/kernel`` read X
 512-1023 the sentence vector. ``decoder/embed/embedding`` row 0 must get a zero gradient (torch
 ``padding_idx=0``; the presets set ``optim.zero_grad_rows``); its value is NOT zero (S-Q7).
 
-Decoding protocol (used by :mod:`changecap_jax.decoding`): ``encode``, ``init_cache``,
+Decoding protocol (used by :mod:`changecap_jax.inference.decoding`): ``encode``, ``init_cache``,
 ``decode_step``; ``decode`` is the full-recompute reference.
 """
 
@@ -58,9 +59,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from changecap_jax import losses
 from changecap_jax.data import streams
-from changecap_jax.models import contract
+from changecap_jax.models import contract, losses
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import DelegatedDecoding, multi_head_attend, speaker_for
 from changecap_jax.models.dropout import Dropout
@@ -74,7 +74,7 @@ from changecap_jax.models.layers import (
     in_proj_xavier_uniform,
     torch_layer_norm,
 )
-from changecap_jax.precision import at_least_float32
+from changecap_jax.models.precision import at_least_float32
 
 Array = jax.Array
 
@@ -322,7 +322,7 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
     ``match_chunk_size``: columns of the batch-wide matching per step (memory vs speed only).
     ``cbr_mean_by_length``: fix of S-Q8 (official: False).
     ``matching``: L_sim's similarity, the paper's Fig. 3 ablation (:data:`losses.MATCHINGS`,
-    equations in :func:`changecap_jax.losses.matching_similarity`); "official" (S-Q2) is the
+    equations in :func:`changecap_jax.models.losses.matching_similarity`); "official" (S-Q2) is the
     official code's. CBR's matching stays the official one: Fig. 3 ablates the cross-view
     matching of view-invariant representation learning.
     ``encoder_heads``: heads of the SCORER layers (paper Fig. 4 sweeps "the head number of MTM

@@ -35,7 +35,7 @@ import tensorflow_datasets as tfds
 from changecap_jax import console
 from changecap_jax.data import schema
 from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
-from changecap_jax.jsonio import read_json
+from changecap_jax.io.jsonio import read_json
 
 SPLITS = ("train", "val", "test")
 FEATURE_SHAPES = {3: (1024, 14, 14), 4: (2048, 7, 7)}  # (C, H, W), as the official .npy

@@ -1,5 +1,5 @@
 """A stand-in for an official checkout (tuyunbin/DIRL, tuyunbin/SCORER) built on the project's
-torch reference, for testing ``python -m changecap_jax.reproduce`` where the official code is
+torch reference, for testing ``python -m changecap_jax reproduce`` where the official code is
 absent (CI).
 
 :func:`write_checkout` lays out the files the command imports, as the official repositories
@@ -9,7 +9,8 @@ name them: ``configs/config_transformer.py`` (a ``cfg`` with ``merge_cfg_from_fi
 import from here: classes that take the official ``cfg`` and keep the official call signatures
 and return tuples (``DIRL(cfg)(x1, x2) -> (diff_bef, diff_aft, loss)``, ``CCR._forward``,
 ``ChangeDetector``, ``Speaker._forward``, ``CBR``), over the package's torch reference
-(:mod:`changecap_jax.torch_reference.dirl` and :mod:`changecap_jax.torch_reference.scorer`).
+(:mod:`changecap_jax.tools.torch_reference.dirl` and
+:mod:`changecap_jax.tools.torch_reference.scorer`).
 Like the official encoders, the grid position tables have 14 rows. Unlike the official CBR (512
 channels, 8 heads, 14x14 grid), the stand-in takes the cfg's sizes, so tests run tiny. Nothing
 here is official code; the behaviour is the reference document's.
@@ -25,8 +26,8 @@ import torch
 import yaml
 from torch import nn
 
-from changecap_jax.torch_reference import dirl as tdirl
-from changecap_jax.torch_reference import scorer as tscorer
+from changecap_jax.tools.torch_reference import dirl as tdirl
+from changecap_jax.tools.torch_reference import scorer as tscorer
 
 from .snapshot import AttrDict
 

@@ -6,7 +6,7 @@ which adds the LayerNorms ``core.fc.1`` and ``core.embed_fc.1``). Encoder keys c
 ``change_detector_state`` and go under ``params['encoder']``; decoder keys from
 ``speaker_state`` (prefix ``core.`` dropped) under ``params['decoder']``; every
 ``nn.MultiheadAttention`` is split into ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``
-(``changecap_jax/convert/tables.py``). ``python -m changecap_jax.convert --print_table`` prints
+(``changecap_jax/convert/tables.py``). ``python -m changecap_jax convert --print_table`` prints
 the whole table for a config.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from changecap_jax import losses
 from changecap_jax.convert.errors import WrongModelError
 from changecap_jax.convert.model_converter import ModelConverter, zero_batch
 from changecap_jax.convert.models import tuyunbin
@@ -34,6 +33,7 @@ from changecap_jax.convert.tables import (
     linear,
     mha,
 )
+from changecap_jax.models import losses
 
 
 def check_identity(model: ml_collections.ConfigDict, states: States, model_cfg: Any) -> None:

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from changecap_jax import losses
 from changecap_jax.convert.model_converter import ModelConverter, zero_batch
 from changecap_jax.convert.models import tuyunbin
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
@@ -36,6 +35,7 @@ from changecap_jax.convert.tables import (
     mha,
     scalar,
 )
+from changecap_jax.models import losses
 
 GENERATOR = "generator"  # CBR: never in the official snapshot (S-Q1)
 

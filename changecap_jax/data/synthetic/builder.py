@@ -33,8 +33,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from changecap_jax import difficulty
 from changecap_jax.data import schema
+from changecap_jax.data.boxes import mean_box_iou
 from changecap_jax.data.synthetic import render, scenes
 from changecap_jax.data.vocab import (
     CaptionError,
@@ -196,9 +196,9 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
                           if ex.changed_index_before >= 0 else missing)
     out["bbox_after"] = (np.asarray(boxes["after_semantic"][ex.changed_index_after], np.float32)
                          if ex.changed_index_after >= 0 else missing)
-    out["viewpoint_iou_semantic"] = np.float32(difficulty.mean_box_iou(
+    out["viewpoint_iou_semantic"] = np.float32(mean_box_iou(
         [(boxes["before"][i], boxes["after_semantic"][j]) for i, j in scenes.same_objects(ex)]))
-    out["viewpoint_iou_distractor"] = np.float32(difficulty.mean_box_iou(
+    out["viewpoint_iou_distractor"] = np.float32(mean_box_iou(
         list(zip(boxes["before"], boxes["after_distractor"], strict=True))))
     return out
 

@@ -253,7 +253,8 @@ def apply_change(
 
 def same_objects(ex: Example) -> list[tuple[int, int]]:
     """(index in ``before``, index in ``after``) of every object the semantic change left
-    untouched: the viewpoint IoU compares their boxes (``changecap_jax/difficulty.py``)."""
+    untouched: the viewpoint IoU compares their boxes
+    (``changecap_jax/evaluators/difficulty.py``)."""
     changed = ex.changed_index_before
     if ex.change_type == "add":
         return [(i, i) for i in range(len(ex.before))]

@@ -1,0 +1,53 @@
+"""``python -m changecap_jax COMMAND [--flags]``: every command besides training, by a short name.
+
+Training and evaluation is ``python -m changecap_jax.main``; the others live in the folder of
+what they do (``inference/``, ``convert/``, ``tools/``) and run from here, each with its own
+flags (``python -m changecap_jax COMMAND --help``).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+# name -> (module run as __main__, what it does)
+COMMANDS = {
+    "export": ("changecap_jax.inference.export", "a trained workdir as a self-contained model"),
+    "predict": ("changecap_jax.inference.predict", "caption image pairs with an exported model"),
+    "report": ("changecap_jax.inference.report", "one HTML page of a run's evaluation"),
+    "localize": ("changecap_jax.inference.localize", "where a model looks, against the boxes"),
+    "convert": ("changecap_jax.convert.__main__", "an official PyTorch checkpoint as a workdir"),
+    "benchmark": ("changecap_jax.tools.benchmark", "time a preset's step, decoding and input"),
+    "benchmark_matching": ("changecap_jax.tools.benchmark_matching",
+                           "peak memory of SCORER's matching loss, naive vs chunked"),
+    "loader_benchmark": ("changecap_jax.tools.loader_benchmark",
+                         "examples/s of the training loader alone"),
+    "reproduce": ("changecap_jax.tools.reproduce.__main__",
+                  "train side by side with an official checkout"),
+    "sweep": ("changecap_jax.tools.sweep", "one training per value of a config field"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items())
+    return ("usage: python -m changecap_jax COMMAND [--flags]   (training: python -m "
+            f"changecap_jax.main)\ncommands:\n{rows}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if len(argv) >= 2 else 2
+    name = argv[1]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [f"changecap_jax {name}", *argv[2:]]
+    runpy.run_module(COMMANDS[name][0], run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

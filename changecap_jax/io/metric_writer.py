@@ -1,0 +1,70 @@
+"""Scalars to TensorBoard (tensorboardX) and the log, from process 0 only.
+
+clu's metric writers need TensorFlow at import time, which the core install avoids; this is
+the small part of them the trainer uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from changecap_jax.io.jsonio import atomic_write
+
+
+class MetricWriter:
+    def __init__(self, logdir: str | os.PathLike, enabled: bool = True,
+                 scalars_file: str | os.PathLike | None = None):
+        """``scalars_file``: also append every write as one JSON line {"step", name: value}
+        (the report's learning curves read it; no TensorBoard reader needed)."""
+        self.enabled = enabled
+        self._writer = None
+        self._scalars_file = Path(scalars_file) if scalars_file else None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(logdir), flush_secs=30)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        values = {k: float(np.asarray(v)) for k, v in scalars.items()}
+        for k, v in values.items():
+            self._writer.add_scalar(k, v, step)
+        if self._scalars_file is not None:
+            line = json.dumps({"step": int(step), **{k: v if math.isfinite(v) else None
+                                                     for k, v in values.items()}})
+            with self._scalars_file.open("a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        logging.info("[%d] %s", step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+    def truncate_after(self, step: int) -> int:
+        """Drops the scalars-file lines logged after ``step`` (a resume replays those steps,
+        which would log them twice); returns how many were dropped. Atomic rewrite."""
+        if not self.enabled or self._scalars_file is None or not self._scalars_file.exists():
+            return 0
+        lines = self._scalars_file.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _line_step(line) <= step]
+        if len(kept) < len(lines):
+            atomic_write(self._scalars_file, lambda fh: fh.writelines(kept))
+        return len(lines) - len(kept)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _line_step(line: str) -> float:
+    """The step of one scalars-file line; a damaged line (a crash mid-write) sorts last, so a
+    resume drops it."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
