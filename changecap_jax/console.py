@@ -66,6 +66,10 @@ class Progress(tqdm):
                                      "{rate_fmt}{postfix}]")
         super().__init__(*args, **kwargs)
 
+    def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
+        # Off a terminal a redraw is a log line: the postfix waits for the next periodic one.
+        super().set_postfix(ordered_dict, refresh=refresh and is_terminal(), **kwargs)
+
 
 def _quiet_library_info(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or not any(

@@ -240,3 +240,21 @@ def test_run_ends_with_its_outputs_and_the_report_command(monkeypatch, tmp_path,
     assert last == (f"done: metrics {workdir}/metrics, captions {workdir}/captions, checkpoints "
                     f"{workdir}/checkpoints; HTML report: python -m changecap_jax report "
                     f"--workdir={quoted} --split=val")
+
+
+def test_off_a_terminal_a_bar_is_a_few_whole_log_lines(monkeypatch, caplog, capsys):
+    monkeypatch.setattr(console, "is_terminal", lambda: False)
+    with caplog.at_level(logging.INFO, logger="changecap_jax.progress"):
+        bar = console.StepBar(100, 0, "train")
+        bar.unpause()
+        for step in range(1, 101):
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{1 / step:.3f}")  # as the loop does at every log
+        bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "changecap_jax.progress"]
+    # The start and the end: redraws wait LOG_PROGRESS_EVERY_S, a new postfix does not force one.
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("train: 0/100 [") and lines[-1].startswith("train: 100/100 [")
+    assert "loss=0.010" in lines[-1]
+    assert capsys.readouterr().err == ""  # nothing written around the log lines
