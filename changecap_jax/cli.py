@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 from absl import app, flags
 
 from changecap_jax import console
-from changecap_jax.cpu import host_memory
+from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError, UserError
 
 EXIT_USER_ERROR = UserError.exit_status
@@ -183,7 +183,7 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
     """``absl.app.run(main)`` with user errors as one line and exit status 2 (see the module
     docstring); ``argv`` defaults to ``sys.argv``."""
     argv = list(sys.argv if argv is None else argv)
-    host_memory.keep_freed_memory()  # before JAX starts its CPU threads
+    allocator.restart_with_chosen_allocator()  # a setting the process must start with
     try:
         app.run(_guarded(main), argv=argv, flags_parser=parse_flags)
     except SystemExit as e:

@@ -1,7 +1,7 @@
 """What the commands print while they run: one policy for every ``python -m`` command.
 
-* Log lines: the project's INFO lines; the libraries' INFO chatter (JAX, orbax, TFDS, grain,
-  the host allocator setting) only with ``--verbose``; everyone's warnings always.
+* Log lines: the project's INFO lines; the libraries' INFO chatter (JAX, orbax, TFDS, grain)
+  only with ``--verbose``; everyone's warnings always.
 * Progress: :class:`Progress` (a tqdm bar) on a terminal. When stderr is not a terminal (a log
   file, a job scheduler), a bar's redraws would leave ``\\r``-joined fragments glued to the
   log lines, so the same object writes a plain log line instead, at most every
@@ -28,9 +28,8 @@ from tqdm import tqdm
 # backend 'tpu'" on every machine without a TPU; their warnings still show.
 QUIET_LIBRARIES = ("jax",)
 # Sources whose INFO lines are chatter: libraries that log through absl (one logger for all,
-# so told apart by the file that logged) and host_memory's allocator setting.
-QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/",
-                 "/changecap_jax/cpu/host_memory.py")
+# so told apart by the file that logged).
+QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/")
 LOG_PROGRESS_EVERY_S = 30.0  # off a terminal: the least time between two progress lines
 
 

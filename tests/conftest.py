@@ -17,6 +17,10 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
     "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Commands started by the tests keep the allocator they start with (changecap_jax/cpu/
+# allocator.py restarts a command under tcmalloc or glibc's tunables): tests/test_allocator.py
+# and the benchmark command's test set it back to auto.
+os.environ.setdefault("CHANGECAP_HOST_ALLOCATOR", "default")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402

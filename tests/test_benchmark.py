@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from changecap_jax import models
+from changecap_jax.cpu import allocator
 from changecap_jax.data.vocab import END_ID, START_ID
 from changecap_jax.tools import benchmark, flop_count
 from changecap_jax.tools import synthetic_inputs as si
@@ -71,8 +72,11 @@ def test_synthetic_step_computes_in_the_configs_compute_dtype():
 
 def test_command_writes_every_result_to_json(tmp_path):
     out = tmp_path / "sub" / "bench.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CHANGECAP_COMPILATION_CACHE": "0"}
-    cmd = [sys.executable, "-m", "changecap_jax.tools.benchmark", "--config=configs/subtraction.py",
+    # The command starts under the chosen host allocator (cpu/allocator.py; the tests' default
+    # leaves it alone).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CHANGECAP_COMPILATION_CACHE": "0",
+           "CHANGECAP_HOST_ALLOCATOR": "auto"}
+    cmd = [sys.executable, "-m", "changecap_jax", "benchmark", "--config=configs/subtraction.py",
            "--synthetic_inputs", f"--batch_size={BATCH}", f"--eval_batch_size={BATCH}",
            "--steps=1", "--decode_batches=1", "--matmul_size=64", f"--json={out}"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -92,9 +96,9 @@ def test_command_writes_every_result_to_json(tmp_path):
                 "page_faults_per_step", "kernel_cpu_s_per_step"):
         assert key in results, key
     assert results["step_loaded_from_cache"] is None  # the cache is off in this run
-    # Every command keeps freed host memory where glibc runs it (changecap_jax/cpu/host_memory.py).
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-    assert results["host_memory_kept"] is glibc
+    want = ("tcmalloc" if allocator.tcmalloc_path() else "glibc") if glibc else "default"
+    assert results["host_allocator"] == want
     assert results["preset"] == "configs/subtraction.py"
     assert results["config"]["model"]["name"] == "subtraction"
     assert results["devices"]["count"] == BATCH and results["decode_s_per_batch"] > 0

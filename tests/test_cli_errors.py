@@ -20,7 +20,7 @@ from absl import flags
 from tqdm import tqdm
 
 from changecap_jax import cli, console
-from changecap_jax.cpu import host_memory
+from changecap_jax.cpu import allocator
 from changecap_jax.errors import UserError
 from changecap_jax.evaluators import captions as ev
 from changecap_jax.evaluators import results
@@ -103,8 +103,8 @@ def test_verbose_shows_the_traceback(tmp_path):
 @pytest.fixture
 def in_process(monkeypatch):
     """cli.run here: absl's app.run changes the root logger, JAX's level and the flags; put
-    them back. The test process keeps glibc's default allocator (host_memory)."""
-    monkeypatch.setenv(host_memory.ENV_SWITCH, "0")
+    them back. The test process is not restarted under another host allocator."""
+    monkeypatch.setenv(allocator.CHOICE_VARIABLE, "default")
     root, jax_logger, absl_logger = (logging.getLogger(n) for n in ("", "jax", "absl"))
     saved = (root.handlers[:], root.level, jax_logger.level, absl_logger.level)
     yield

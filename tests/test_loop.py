@@ -78,9 +78,9 @@ def test_the_shared_update_masks_rows_and_applies_post_update():
 
 def test_host_memory_is_released_after_each_evaluation(monkeypatch):
     """Fragmentation the kept host memory gathered is given back once per evaluation
-    (changecap_jax/cpu/host_memory.py)."""
+    (changecap_jax/cpu/allocator.py)."""
     calls = []
-    monkeypatch.setattr(loop.host_memory, "release", lambda: calls.append("release"))
+    monkeypatch.setattr(loop.allocator, "release", lambda: calls.append("release"))
 
     class Task:
         def evaluate_at(self, state, step, writer, final):

@@ -68,7 +68,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax import cli, compile_cache, experiment, models, parallel
-from changecap_jax.cpu import host_memory
+from changecap_jax.cpu import allocator
 from changecap_jax.data import pipeline
 from changecap_jax.errors import UserError
 from changecap_jax.inference import decoding
@@ -250,7 +250,7 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
            "flop_per_s": flop_per_s, "matmul_size": matmul_size,
            "page_faults_per_step": statistics.median(faults),
            "kernel_cpu_s_per_step": statistics.median(kernel_s),
-           "host_memory_kept": host_memory.kept,
+           "host_allocator": allocator.applied(),
            "dot_flops": dots.flops, "dot_flop_per_s": dots.flops / step_s,
            "dot_flops_in_scans": dots.in_scans,
            "loops_of_unknown_length": dots.unknown_trip_count_loops,
@@ -448,8 +448,7 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
     lines.append(_dot_line(r))
     lines.append(f"host memory: {r['page_faults_per_step']:.0f} page faults and "
                  f"{r['kernel_cpu_s_per_step']:.2f} s of kernel CPU time per step (median); "
-                 f"freed memory kept in the process: {'yes' if r['host_memory_kept'] else 'no'} "
-                 f"(changecap_jax/cpu/host_memory.py)")
+                 f"host allocator: {r['host_allocator']} (changecap_jax/cpu/allocator.py)")
     if r["input_examples_per_s"] is not None:
         lines.append(f"input pipeline alone: {r['input_examples_per_s']:.1f} examples/s "
                      f"({r['input_batches']} batches)")

@@ -26,7 +26,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from changecap_jax import console
-from changecap_jax.cpu import host_memory
+from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError
 from changecap_jax.io import checkpoints, run_config
 from changecap_jax.io.metric_writer import MetricWriter
@@ -239,7 +239,7 @@ def _evaluate(task: Task, manager: ocp.CheckpointManager, state: TrainState, ste
     """The task's evaluation; on failure the training since the last save is kept first."""
     try:
         results = task.evaluate_at(state, step, writer, final)
-        host_memory.release()  # what fragmentation kept since the last one (host_memory.py)
+        allocator.release()  # what fragmentation kept since the last one (cpu/allocator.py)
         return results
     except Exception:
         logging.error("evaluation at step %d failed; saved the checkpoint of step %d first, "
