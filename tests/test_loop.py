@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
+from train_helpers import toy_loss_fn
 
 from changecap_jax import parallel
 from changecap_jax.trainers import captioning, loop, pretraining, update
@@ -48,13 +48,7 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
 
 def _toy_step(rows, post_update):
     mesh = parallel.make_mesh(1)
-
-    def per_device(params, batch, rng):
-        loss = jnp.sum(params["w"] * jax.lax.psum(jnp.sum(batch["x"], 0), parallel.DATA_AXIS))
-        return loss, {"loss": loss}
-
-    loss_fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(parallel.DATA_AXIS), P()),
-                            out_specs=(P(), P()), check_vma=False)
+    loss_fn = toy_loss_fn(mesh)
     optimizer = optax.sgd(0.5)
     step = update.make_update_step(loss_fn, optimizer, mesh, optax.constant_schedule(0.5),
                                    zero_grad_rows=rows, post_update=post_update)

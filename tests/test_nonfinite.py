@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
-from train_helpers import SMALL
+from train_helpers import SMALL, toy_loss_fn
 
 from changecap_jax import parallel
 from changecap_jax.data import datasets
@@ -34,15 +33,9 @@ LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ ([\w.]+):\d+\] ")
 
 
 def _toy_update(skip: bool):
-    """An update of w by SGD(0.1) on sum(w * x) over the global batch."""
+    """An update of w by Adam(0.1) on sum(w * x) over the global batch."""
     mesh = parallel.make_mesh(1)
-
-    def per_device(params, batch, rng):
-        loss = jnp.sum(params["w"] * jax.lax.psum(jnp.sum(batch["x"], 0), parallel.DATA_AXIS))
-        return loss, {"loss": loss}
-
-    loss_fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(parallel.DATA_AXIS), P()),
-                            out_specs=(P(), P()), check_vma=False)
+    loss_fn = toy_loss_fn(mesh)
     optimizer = optax.adam(0.1)
     step = update.make_update_step(loss_fn, optimizer, mesh, optax.constant_schedule(0.1),
                                    skip_nonfinite=skip)

@@ -112,5 +112,22 @@ def multihost_worker(process_id: int, port: int, data_dir: str, workdir: str) ->
     jax.distributed.shutdown()
 
 
+def toy_loss_fn(mesh):
+    """(params, batch, rng) -> (sum(w * the batch's x summed over the GLOBAL batch), metrics):
+    the smallest loss of the trunk's shape, for tests of the update step."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from changecap_jax import parallel
+
+    def per_device(params, batch, rng):
+        loss = jnp.sum(params["w"] * jax.lax.psum(jnp.sum(batch["x"], 0), parallel.DATA_AXIS))
+        return loss, {"loss": loss}
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(parallel.DATA_AXIS), P()),
+                         out_specs=(P(), P()), check_vma=False)
+
+
 if __name__ == "__main__":
     multihost_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
