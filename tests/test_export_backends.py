@@ -1,0 +1,58 @@
+"""The train step lowers for GPU and TPU from this CPU machine (``jax.export`` with
+``platforms=("cuda", "tpu")``): every model's, in float32 and bfloat16. A CPU-only construct
+in it (a host callback, a CPU-only custom call, a platform branch without a default) fails
+here. Decoding does not lower this way yet: ``inference/jit.py`` passes CPU compile options
+to its jit, which an exporting (outer) jit refuses; issue 41 moves those options to the
+command line's edge."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from changecap_jax import models, parallel
+from changecap_jax.tools import synthetic_inputs
+from changecap_jax.trainers import captioning, optimizers
+from tests.train_helpers import SMALL
+
+PLATFORMS = ("cuda", "tpu")
+MODELS = [("dirl", "synthetic"), ("scorer", "synthetic"), ("subtraction", "synthetic"),
+          ("cheers", "synthetic"), ("idc_pcl", "finetune")]
+CAPTION_LEN, VOCAB = 12, 30
+
+
+def _setup(name: str, preset: str):
+    config = importlib.import_module(f"configs.{name}").get_config(preset)
+    model = models.build(config.model, vocab_size=VOCAB, max_len=CAPTION_LEN)
+    feature_shape = tuple(config.dataset.options.get("feature_shape", SMALL["feature_shape"]))
+    batch = synthetic_inputs.make_batch(model, 8, feature_shape, caption_len=CAPTION_LEN,
+                                        vocab_size=VOCAB)
+    return config, model, batch
+
+
+def _export(fn, *args) -> jax.export.Exported:
+    exported = jax.export.export(fn, platforms=PLATFORMS)(*args)
+    assert exported.platforms == PLATFORMS
+    return exported
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name, preset", MODELS)
+def test_the_train_step_lowers_for_gpu_and_tpu(name, preset, dtype):
+    config, model, batch = _setup(name, preset)
+    mesh = parallel.make_mesh(1)
+    optimizer, schedule = optimizers.make_optimizer(config.optim, 10)
+    step = captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
+                                      dict(config.optim.zero_grad_rows), schedule,
+                                      compute_dtype=jnp.dtype(dtype))
+    state = jax.eval_shape(lambda: captioning.init_train_state(
+        model, optimizer, batch, mesh, jax.random.PRNGKey(0)))
+    exported = _export(step, state, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    # The update's outputs: the state and the metrics, the non-finite flag among them.
+    out_state, metrics = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    assert "nonfinite" in metrics and "loss" in metrics
+    assert jax.tree.structure(out_state) == jax.tree.structure(state)
