@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,34 @@ def files_damage(step_dir: Path) -> str | None:
     return None
 
 
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception is the echo of a damaged step's abandoned reads: orbax
+    stops reading at the first unreadable array, and its other read coroutines and TensorStore
+    callbacks then fail with nobody to catch them ("Exception ignored in: <coroutine
+    _read_array_index_and_device_put>", "Event loop is closed"), one traceback each."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
+    return "_read_array" in where or damage_reason(error) is not None
+
+
+def _quiet_abandoned_reads() -> None:
+    """From now on, leaves out the tracebacks of :func:`_abandoned_read` (they arrive while a
+    damaged step is read and after it has been passed with its one warning line); every other
+    unraisable exception still reaches the hook that was installed before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_changecap_quiet_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _abandoned_read(unraisable):
+            previous(unraisable)
+
+    hook._changecap_quiet_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def damage_reason(error: BaseException) -> str | None:
     """A short reason when ``error`` (or its cause) is a read or decode error of damaged
     files, else None: a mismatch between the checkpoint and the model, or a bug, is not
@@ -226,6 +255,7 @@ def _try(manager: ocp.CheckpointManager, step: int,
     reason = files_damage(step_dir)
     restored = None
     if reason is None:
+        _quiet_abandoned_reads()  # before reading: the first echoes come during the read
         try:
             restored = manager.restore(step, args=ocp.args.Composite(
                 **args_for(step, saved_items(step_dir))))
