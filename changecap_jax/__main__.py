@@ -10,6 +10,8 @@ from __future__ import annotations
 import runpy
 import sys
 
+from changecap_jax.cpu import allocator
+
 # name -> (module run as __main__, what it does)
 COMMANDS = {
     "export": ("changecap_jax.inference.export", "a trained workdir as a self-contained model"),
@@ -44,6 +46,8 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
+    # Before the command's module imports JAX (cli.run would restart it after them).
+    allocator.restart_with_chosen_allocator()
     sys.argv = [f"changecap_jax {name}", *argv[2:]]
     runpy.run_module(COMMANDS[name][0], run_name="__main__", alter_sys=True)
     return 0

@@ -33,7 +33,7 @@ from ml_collections import config_flags
 
 from changecap_jax import cli
 from changecap_jax.errors import UserError
-from changecap_jax.io import checkpoints, workdir_lock
+from changecap_jax.io import workdir_lock
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
@@ -70,6 +70,8 @@ def closing_line(workdir: str | os.PathLike) -> str:
 def _require_checkpoint(workdir: str) -> None:
     """--mode=eval of a workdir without checkpoints fails before the dataset is opened (or,
     for the synthetic one, built)."""
+    from changecap_jax.io import checkpoints  # JAX and orbax: after the allocator restart
+
     directory = Path(workdir) / "checkpoints"
     if not checkpoints.has_steps(directory):
         raise UserError(f"no checkpoint in {directory}: train into --workdir={workdir} first, "

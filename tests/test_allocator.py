@@ -111,3 +111,14 @@ def test_a_command_restarts_under_tcmalloc_when_installed(tmp_path):
         pytest.skip("tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
     run = _run_program("auto", tmp_path)
     assert run["applied"] == "tcmalloc" and run["tcmalloc_mapped"]
+
+
+def test_the_entry_points_restart_before_importing_jax():
+    """The restart replaces the process: whatever it imported first is imported again, so the
+    entry points leave JAX and orbax to after it (a second or so per command otherwise)."""
+    probe = ("import sys, changecap_jax.main, changecap_jax.__main__; "
+             "print(sorted(m for m in ('jax', 'orbax.checkpoint') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

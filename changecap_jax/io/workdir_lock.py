@@ -181,11 +181,9 @@ def hold(workdir: str | os.PathLike, command: str | None = None) -> Iterator[Non
     if error is not None:
         raise error
     stop = threading.Event()
-    beat = None
     if me is not None:
-        beat = threading.Thread(target=_heartbeat, args=(Path(workdir) / LOCK_FILE, stop),
-                                daemon=True, name="workdir-lock-heartbeat")
-        beat.start()
+        threading.Thread(target=_heartbeat, args=(Path(workdir) / LOCK_FILE, stop),
+                         daemon=True, name="workdir-lock-heartbeat").start()
     try:
         yield
     finally:

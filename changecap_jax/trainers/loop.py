@@ -1,7 +1,7 @@
 """The one training loop: start-up, restore or ``init_from``, steps, logging, evaluation,
 checkpoints and early stopping, for any :class:`Task`.
 
-A task (captioning: ``captioning.Trainer``; IDC-PCL pretraining: ``pretrain.PretrainTrainer``,
+A task (captioning: ``captioning.Trainer``; IDC-PCL pretraining: ``pretraining.PretrainTrainer``,
 whose losses live in ``models/idc_pcl_pretraining.py``) says what differs: its state, its
 checkpointed data streams, its update per step (possibly a task drawn per step), how a log
 window becomes scalars, and its evaluation. Everything else is here, once, so both tasks log
