@@ -12,7 +12,9 @@
     --model=DIR                          with --mode=eval: score an exported model
                                          (python -m changecap_jax export) instead; --config
                                          is then optional (it overrides all but the model)
-    --multihost                          call jax.distributed.initialize first
+    --multihost                          call jax.distributed.initialize first; a lost
+                                         process stops the others within --peer_timeout_s
+                                         (changecap_jax/host_watch.py)
     --verbose                            tracebacks of user errors, and the whole config
 
 A run ends with a line naming its metrics, captions and checkpoints folders and the command
@@ -25,13 +27,14 @@ import logging
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import cli
+from changecap_jax import cli, host_watch
 from changecap_jax.errors import UserError
 from changecap_jax.io import workdir_lock
 
@@ -47,6 +50,8 @@ flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator ho
 flags.DEFINE_integer("num_processes", None, "Number of processes (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's id (with --coordinator_address).")
 flags.DEFINE_string("cpu_collectives", None, "CPU collectives for multi-process CPU runs: gloo.")
+flags.DEFINE_integer("peer_timeout_s", 100, "With --multihost: a process that sends no heartbeat "
+                     "this long is lost, and every other one stops with a line naming it.")
 
 
 def closing_line(workdir: str | os.PathLike) -> str:
@@ -81,6 +86,12 @@ def _require_checkpoint(workdir: str) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.multihost and not host_watch.is_watched_child():
+        # This process only watches; the same command runs the job as its child.
+        sys.exit(host_watch.run_watched(FLAGS.process_id, FLAGS.num_processes,
+                                        FLAGS.peer_timeout_s))
+    if host_watch.is_watched_child():
+        host_watch.stop_with_watcher()
     config = FLAGS.config
     # The command line is checked before a dataset is opened or anything compiles: a mistake in
     # it is reported at once.
@@ -108,19 +119,22 @@ def main(argv: list[str]) -> None:
 
     if FLAGS.multihost:
         parallel.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                        FLAGS.process_id, FLAGS.cpu_collectives)
+                                        FLAGS.process_id, FLAGS.cpu_collectives,
+                                        heartbeat_timeout_s=FLAGS.peer_timeout_s)
     # One run per workdir: a second one is refused here, before anything is written.
     with workdir_lock.hold(workdir):
-        _run(config, workdir)
-    _close(workdir)
+        preempted = _run(config, workdir)
+    _close(workdir, preempted)
 
 
-def _run(config: ml_collections.ConfigDict | None, workdir: str) -> None:
+def _run(config: ml_collections.ConfigDict | None, workdir: str) -> str | None:
+    """Trains or evaluates; returns the line saying so when a preemption stopped training."""
     from changecap_jax.trainers import captioning, pretraining
+    from changecap_jax.trainers.preemption import Preempted
 
     if FLAGS.model is not None:
         captioning.evaluate_exported(FLAGS.model, workdir, config)
-        return
+        return None
     # The whole config is in WORKDIR/config.json once training starts; on the console it
     # would bury the rest (and an early error under 70 lines).
     logging.info("workdir %s, config %s", workdir, FLAGS["config"].config_filename)
@@ -130,16 +144,20 @@ def _run(config: ml_collections.ConfigDict | None, workdir: str) -> None:
         # The task (captioning, or pretraining for a config with a pretrain block); its
         # train() runs the one loop (loop.run).
         task = pretraining.PretrainTrainer if "pretrain" in config else captioning.Trainer
-        task(config, workdir).train()
+        try:
+            task(config, workdir).train()
+        except Preempted as stop:  # saved: exit status 0, and the same command resumes
+            return str(stop)
     else:
         captioning.evaluate_checkpoint(config, workdir, FLAGS.checkpoint_step)
+    return None
 
 
-def _close(workdir: str) -> None:
+def _close(workdir: str, preempted: str | None = None) -> None:
     import jax
 
     if jax.process_index() == 0:
-        print(closing_line(workdir), flush=True)
+        print(preempted or closing_line(workdir), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -23,26 +24,41 @@ def initialize_distributed(
     num_processes: int | None = None,
     process_id: int | None = None,
     cpu_collectives: str | None = None,
+    heartbeat_timeout_s: int | None = None,
 ) -> None:
     """Calls ``jax.distributed.initialize`` (behind the ``--multihost`` flag of ``main``).
 
     With no arguments JAX reads the cluster from the environment (TPU pods, SLURM, ...).
     ``cpu_collectives='gloo'`` lets several CPU processes run collectives (used by tests).
+    ``heartbeat_timeout_s``: how long a silent process counts as alive (JAX's default if None).
     """
     if cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    kwargs = {}
+    kwargs: dict = {}
+    if heartbeat_timeout_s is not None:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_s
     if coordinator_address:
-        kwargs = dict(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-        )
+        kwargs.update(coordinator_address=coordinator_address, num_processes=num_processes,
+                      process_id=process_id)
     jax.distributed.initialize(**kwargs)
+    if cpu_collectives:
+        _open_cpu_collectives()
     logging.info(
         "process %d of %d; %d local / %d global devices",
         jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
     )
+
+
+def _open_cpu_collectives() -> None:
+    """One collective over every device, now that all processes are here. gloo sets up its
+    connections for a device set at the first collective over it and gives up when a process
+    is 30 s late; the first train step comes after each process's own compile, which on a
+    busy CPU can differ by more. Set up here, the connections are reused from then on."""
+    sharding = batch_sharding(make_mesh())
+    ones = jax.make_array_from_process_local_data(
+        sharding, np.ones(jax.local_device_count(), np.float32))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(sharding.mesh, PartitionSpec()))(ones)
+    assert int(total) == jax.device_count()
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:

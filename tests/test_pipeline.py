@@ -155,10 +155,45 @@ def test_state_of_another_data_order_is_refused(small_synthetic):
     saved = iter(pipeline.train_loader(source, global_batch_size=8, seed=5))
     next(saved)
     for kwargs, message in [(dict(global_batch_size=8, seed=6), "seed was 5, is 6"),
-                            (dict(global_batch_size=4, seed=5), "local_batch was 8, is 4")]:
+                            (dict(global_batch_size=4, seed=5), "global_batch was 8, is 4")]:
         other = iter(pipeline.train_loader(source, **kwargs))
         with pytest.raises(ValueError, match=message):
             other.set_state(saved.get_state())
+
+
+def test_processes_read_slices_of_the_same_global_batches(small_synthetic):
+    """Process p of n reads the p-th slice of each global batch: the record ids of the n
+    processes' batches k, in process order, are one process's batch k (any n)."""
+    source = small_synthetic.split("train")
+    whole = _ids(pipeline.train_loader(source, global_batch_size=8, seed=2), 7)
+    for count in (2, 4):
+        shares = [_ids(pipeline.train_loader(source, global_batch_size=8, seed=2,
+                                             process_index=p, process_count=count), 7)
+                  for p in range(count)]
+        assert [sum((s[k] for s in shares), []) for k in range(7)] == whole
+
+
+def test_a_state_resumes_on_another_number_of_processes(small_synthetic):
+    source = small_synthetic.split("train")
+    four = iter(pipeline.train_loader(source, global_batch_size=8, seed=2, process_index=3,
+                                      process_count=4))
+    _take(four, 6)
+    one = iter(pipeline.train_loader(source, global_batch_size=8, seed=2))
+    one.set_state(four.get_state())
+    expected = _ids(pipeline.train_loader(source, global_batch_size=8, seed=2), 8)[6:]
+    assert [next(one)["id"].tolist() for _ in range(2)] == expected
+
+
+def test_a_state_of_the_per_process_order_of_before(small_synthetic):
+    """Format 1 (one order per process) resumes where it had one process (the orders agree);
+    with several processes it is refused in one sentence."""
+    source = small_synthetic.split("train")
+    loader = pipeline.train_loader(source, global_batch_size=8, seed=2)
+    v1 = {"format": pipeline.FORMAT_V1, "next_batch": 3, "records": len(source),
+          "local_batch": 8, "seed": 2, "process_index": 0, "process_count": 1}
+    assert loader.next_batch_of(v1) == 3
+    with pytest.raises(ValueError, match="one data order per process"):
+        loader.next_batch_of({**v1, "local_batch": 4, "process_count": 2})
 
 
 def test_config_data_block_is_checked():

@@ -1,4 +1,4 @@
-"""Trainer: N devices equal one, multi-host equals single-host, exact resume, schedule.
+"""Trainer: N devices equal one, exact resume, preemption, schedule (hosts: test_multihost.py).
 
 Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see its README.md).
 """
@@ -6,9 +6,6 @@ Section numbers (§) and quirk ids (S-Q, D-Q, I-Q) refer to docs/official/ (see 
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -84,6 +81,38 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     assert _logged_steps(tmp_path / "resumed") == [1, 2, 3, 4, 5, 6]
     logged = (tmp_path / "resumed" / loop.SCALARS_FILE).read_text().splitlines()
     assert 9.0 not in [json.loads(line)["loss"] for line in logged]
+
+
+def test_sigterm_saves_at_the_next_step_and_the_rerun_resumes(data_dir, tmp_path):
+    """A preemption notice on one process (trainers/preemption.py): the step after SIGTERM is
+    saved, the loop stops with Preempted, the signal's former handler is back, and a rerun
+    continues from that step as if nothing had happened."""
+    import signal
+
+    from changecap_jax.trainers.preemption import Preempted
+
+    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "full")
+    full.train()
+    before = signal.getsignal(signal.SIGTERM)
+    preempted = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run")
+    run_step = preempted.run_step
+
+    def noticed_at_step_2(state, step, streams):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run_step(state, step, streams)
+
+    preempted.run_step = noticed_at_step_2
+    with pytest.raises(Preempted, match="saved the checkpoint of step 2"):
+        preempted.train()
+    assert signal.getsignal(signal.SIGTERM) is before
+    manager = checkpoints.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
+    assert manager.all_steps() == [2]
+    rerun = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run")
+    rerun.train()
+    assert [s for s, _ in rerun.history] == [3, 4]
+    for (step, resumed), (_, uninterrupted) in zip(rerun.history, full.history[2:], strict=True):
+        assert resumed["loss"] == uninterrupted["loss"], step
 
 
 def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp_path):
@@ -200,55 +229,6 @@ def test_loss_weights_must_match_aux_losses(data_dir, tmp_path):
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
     with pytest.raises(ValueError, match="must name exactly the model's auxiliary losses"):
         trainer.train_step(state, batch)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_equal_one_process(data_dir, tmp_path):
-    """2 processes x 2 CPU devices (gloo) == 1 process x 4 devices on the same global batches."""
-    port = _free_port()
-    repo = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    helper = Path(__file__).with_name("train_helpers.py")
-    procs = [subprocess.Popen(
-        [sys.executable, str(helper), str(i), str(port), data_dir, str(tmp_path / "mh")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=Path(__file__).resolve().parents[1]) for i in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    line = next(x for x in outs[0][0].splitlines() if x.startswith("LOSSES "))
-    multihost = json.loads(line[len("LOSSES "):])
-
-    # The same global batches in one process: process shares concatenated in process order.
-    config = tiny_config(data_dir, batch_size=8)
-    trainer = captioning.Trainer(config, tmp_path / "single", mesh=parallel.make_mesh(4))
-    shares = [iter(pipeline.train_loader(trainer.dataset.split("train"), global_batch_size=8,
-                                         seed=config.seed, process_index=p, process_count=2))
-              for p in range(2)]
-    state = trainer.init_state()
-    for step, metrics in multihost:
-        local = [next(s) for s in shares]
-        batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
-        state, single = trainer.train_step(
-            state, pipeline.to_global(batch, trainer.data_sharding))
-        single = jax.device_get(single)
-        for key in ("loss", "loss/caption", "loss/dirl", "loss/ccr"):
-            np.testing.assert_allclose(metrics[key], single[key], rtol=1e-5,
-                                       err_msg=f"step {step} {key}")
-    assert [s for s, _ in multihost] == [1, 2, 3]
-    # Process 0 scored every val pair, its own share and process 1's (12 examples x 2 pairs).
-    captions = json.loads((tmp_path / "mh" / "captions" / "val_3.json").read_text())
-    assert len(captions) == 24
-    assert len({c["image_id"] for c in captions}) == 24
-    metrics = json.loads((tmp_path / "mh" / "metrics" / "val_3.json").read_text())
-    assert metrics["num_pairs"] == 24
 
 
 def test_checkpoints_keep_latest_and_best(tmp_path):

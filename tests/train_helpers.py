@@ -1,8 +1,7 @@
-"""Tiny configs and runs shared by the trainer tests (also run as a multi-host worker)."""
+"""Tiny configs and runs shared by the trainer tests."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import ml_collections
@@ -94,24 +93,6 @@ def assert_eight_devices_equal_one(config, tmp_path) -> dict:
     return metrics1
 
 
-def multihost_worker(process_id: int, port: int, data_dir: str, workdir: str) -> None:
-    """One of two processes with 2 CPU devices each: trains 3 steps, prints the losses."""
-    import jax
-
-    from changecap_jax import parallel
-    from changecap_jax.trainers import captioning
-
-    parallel.initialize_distributed(f"127.0.0.1:{port}", 2, process_id, cpu_collectives="gloo")
-    assert jax.device_count() == 4 and jax.local_device_count() == 2
-    # The final evaluation exercises the cross-process gather of decoded captions.
-    config = tiny_config(data_dir, batch_size=8, final_eval_splits=("val",))
-    trainer = captioning.Trainer(config, workdir)
-    trainer.train()
-    if process_id == 0:
-        print("LOSSES " + json.dumps(trainer.history))
-    jax.distributed.shutdown()
-
-
 def toy_loss_fn(mesh):
     """(params, batch, rng) -> (sum(w * the batch's x summed over the GLOBAL batch), metrics):
     the smallest loss of the trunk's shape, for tests of the update step."""
@@ -127,7 +108,3 @@ def toy_loss_fn(mesh):
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(parallel.DATA_AXIS), P()),
                          out_specs=(P(), P()), check_vma=False)
-
-
-if __name__ == "__main__":
-    multihost_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -45,9 +45,13 @@ from changecap_jax.data.streams import BEFORE, STREAMS
 
 # Fields that stay on the host (strings, reference lists); everything else goes to devices.
 HOST_FIELDS = ("image_id", *(s.references for s in STREAMS.values()))
-STATE_FORMAT = "changecap_jax.train_batches/1"  # the training iterator's checkpointed state
+# The training iterator's checkpointed state. Version 2: one global order, each process reading
+# its slice of every global batch, so a run resumes on any number of processes. Version 1 (one
+# order per process) resumes where it had one process: the two orders then agree.
+STATE_FORMAT = "changecap_jax.train_batches/2"
+FORMAT_V1 = "changecap_jax.train_batches/1"
 # Keys of the loader description a checkpointed state must match to be resumed.
-ORDER_KEYS = ("records", "local_batch", "seed", "process_index", "process_count")
+ORDER_KEYS = ("records", "global_batch", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +159,12 @@ def _stack_records(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 
 class _TrainBatch(grain.transforms.Map):
-    """Batch number k -> this process's local training batch k.
+    """Batch number k -> this process's local training batch k: its slice of global batch k.
 
-    Local element i is the sampler's global index ``i * process_count + process_index``, with
-    that index's record and generator: exactly what ``grain.DataLoader`` (no workers) read.
+    Global batch k holds the sampler's indices ``k * global_batch ...`` (one permutation of the
+    records per epoch, the same for any number of processes); process p reads the p-th
+    ``local_batch`` of them, each with that index's record and generator. One process reads
+    what ``grain.DataLoader`` (no workers) read.
     """
 
     def __init__(self, source: Any, sampler: grain.samplers.IndexSampler, local_batch: int,
@@ -167,10 +173,11 @@ class _TrainBatch(grain.transforms.Map):
         self.process_index, self.process_count, self.pairs = process_index, process_count, pairs
 
     def map(self, k: int) -> dict[str, np.ndarray]:
-        first = int(k) * self.local_batch
+        global_batch = self.local_batch * self.process_count
+        first = int(k) * global_batch + self.process_index * self.local_batch
         records = []
         for i in range(first, first + self.local_batch):
-            meta = self.sampler[i * self.process_count + self.process_index]
+            meta = self.sampler[i]
             records.append(self.pairs.random_map(self.source[meta.record_key], meta.rng))
         return _stack_records(records)
 
@@ -192,6 +199,13 @@ class TrainLoader:
         """The batch a checkpointed state resumes at; errors when it is another run's."""
         if "last_seen_indices" in state:  # written by grain.DataLoader before this loader
             return self._next_batch_of_dataloader(state)
+        if state.get("format") == FORMAT_V1 and state.get("process_count") == 1:
+            state = {**state, "format": STATE_FORMAT, "global_batch": state.get("local_batch")}
+        elif state.get("format") == FORMAT_V1:
+            raise ValueError(
+                "the checkpoint's data iterator read one data order per process (an older "
+                f"version, {state.get('process_count')} processes), which this version does not "
+                "reproduce; resume with that version, or train in a fresh workdir")
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"data iterator state has format {state.get('format')!r}, "
                              f"expected {STATE_FORMAT!r}")
@@ -201,7 +215,7 @@ class TrainLoader:
             raise ValueError(
                 "the checkpoint's data iterator belongs to another data order: "
                 + ", ".join(f"{k} was {a!r}, is {b!r}" for k, (a, b) in differs.items())
-                + "; resume with the same dataset, batch size, seed and process count, or "
+                + "; resume with the same dataset, global batch size and seed, or "
                 "train in a fresh workdir")
         return int(state["next_batch"])
 
@@ -214,8 +228,10 @@ class TrainLoader:
                 f"the checkpoint's data iterator was a grain.DataLoader with "
                 f"worker_count={state.get('worker_count')}, whose batches this loader does not "
                 "reproduce; only worker_count=0 states can be resumed")
-        index, count = self.batch.process_index, self.batch.process_count
-        records = (int(state["last_seen_indices"]["0"]) + count - index) // count
+        if self.batch.process_count != 1:
+            raise ValueError("the checkpoint's data iterator is a grain.DataLoader's, whose "
+                             "order this loader reproduces on one process only")
+        records = int(state["last_seen_indices"]["0"]) + 1
         if records % self.batch.local_batch:
             raise ValueError(f"the checkpoint's data iterator stopped after {records} records, "
                              f"not a multiple of the local batch {self.batch.local_batch}")
@@ -284,17 +300,18 @@ def train_loader(
         )
     sampler = grain.samplers.IndexSampler(
         num_records=len(source),
-        shard_options=grain.sharding.ShardOptions(
-            shard_index=process_index, shard_count=process_count, drop_remainder=True
-        ),
+        # One global order for any number of processes: _TrainBatch slices its batches.
+        shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1,
+                                                  drop_remainder=True),
         shuffle=True,
         num_epochs=None,
         seed=seed,
     )
     batch = _TrainBatch(source, sampler, local_batch, process_index, process_count,
                         TrainPairs(swap_prob, pair_fields))
-    description = {"records": len(source), "local_batch": local_batch, "seed": seed,
-                   "process_index": process_index, "process_count": process_count}
+    description = {"records": len(source), "global_batch": global_batch_size,
+                   "local_batch": local_batch, "seed": seed, "process_index": process_index,
+                   "process_count": process_count}
     return TrainLoader(batch, read or ReadAhead(workers=worker_count), description)
 
 

@@ -126,6 +126,17 @@ def _grain_state_file() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
+def data_state_file(item_dir: Path) -> str:
+    """The data-stream state file this process restores from ``item_dir``: its own, or, for a
+    step saved by another number of processes, the first process's (the training streams'
+    position is global, docs/training.md "Multi-host"; ``process_0-of-N.json``)."""
+    own = _grain_state_file()
+    if (item_dir / own).exists():
+        return own
+    others = sorted(p.name for p in item_dir.glob("process_0-of-*.json"))
+    return others[0] if others else own
+
+
 def files_damage(step_dir: Path) -> str | None:
     """A short reason why the step's metadata shows it damaged or partial, else None. Cheap:
     reads the metadata files only, not the arrays."""
@@ -138,7 +149,7 @@ def files_damage(step_dir: Path) -> str | None:
         if not (step_dir / item).is_dir():
             return f"item {item!r} missing"
         if "grain" in handler:
-            name = _grain_state_file()
+            name = data_state_file(step_dir / item)
         elif "Standard" in handler or "PyTree" in handler:
             name = ITEM_METADATA_FILE
         else:  # a handler this module does not know: the directory is all it checks
@@ -336,17 +347,28 @@ def restore_train_state(manager: ocp.CheckpointManager, state: Any, streams: dic
     ``order``), passing damaged ones (``checkpoints.restore``). A stream the checkpoint lacks
     (enabled since, or converted from PyTorch without the dataset at hand) starts fresh."""
 
+    other_layout: dict[str, Path] = {}  # streams saved by another number of processes
+
     def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
         args = {"state": ocp.args.StandardRestore(state)}
+        other_layout.clear()
         for name, iterator in streams.items():
-            if name in items:
+            item_dir = Path(manager.directory) / str(step) / name
+            if name not in items:
+                logging.info("checkpoint %d has no %s stream: it starts fresh", step, name)
+            elif data_state_file(item_dir) == _grain_state_file():
                 args[name] = grain.checkpoint.CheckpointRestore(iterator)
             else:
-                logging.info("checkpoint %d has no %s stream: it starts fresh", step, name)
+                other_layout[name] = item_dir / data_state_file(item_dir)
         return args
 
     step, restored = restore(manager, args_for, step=step, order=order,
                              move_damaged_aside=move_damaged_aside)
+    for name, path in other_layout.items():
+        streams[name].set_state(path.read_text().encode())
+        streams[name].start_prefetch()
+        logging.info("data stream %s resumed from %s (saved by another number of processes)",
+                     name, path.name)
     logging.info("restored checkpoint of step %d from %s", step, manager.directory)
     return restored["state"]
 

@@ -7,7 +7,8 @@ checkpointed data streams, its update per step (possibly a task drawn per step),
 window becomes scalars, and its evaluation. Everything else is here, once, so both tasks log
 the same timing scalars (``steps_per_second`` and ``examples_per_second``), check for a
 non-finite update the same way (:class:`FiniteGuard`: before every log, evaluation and save, so
-no checkpoint holds a diverged state), and save before re-raising a failed evaluation.
+no checkpoint holds a diverged state), save before re-raising a failed evaluation, and save and
+stop at the next step after a preemption notice (``trainers/preemption.py``).
 
 Section numbers (§) refer to docs/official/ (see its README.md).
 """
@@ -30,6 +31,7 @@ from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError
 from changecap_jax.io import checkpoints, run_config
 from changecap_jax.io.metric_writer import MetricWriter
+from changecap_jax.trainers.preemption import Preempted, PreemptionNotice
 from changecap_jax.trainers.update import NONFINITE_METRIC, TrainState
 
 SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
@@ -270,17 +272,32 @@ def run(task: Task) -> dict[str, Any]:
                             task.selection_metric)
     if task.is_main:
         task.describe(state, int(state.step))
+    notice = PreemptionNotice()
     try:
-        results = _train(task, manager, writer, streams, state, stopper)
+        results = _train(task, manager, writer, streams, state, stopper, notice)
     finally:
+        notice.close()
         manager.close()
         writer.close()
     return results
 
 
+def _log(task: Task, writer: MetricWriter, window: _Window, guard: FiniteGuard,
+         bar: console.StepBar, step: int, key: str) -> None:
+    """Writes the scalars of the log window that ends at ``step``."""
+    scalars = window.scalars(task)
+    if guard.skip:
+        scalars["skipped_updates"] = float(guard.take_skipped())
+    writer.write_scalars(step, scalars)
+    task.history.append((step, scalars))
+    bar.set_postfix(loss=f"{scalars.get(f'{key}/loss', scalars.get('loss')):.3f}")
+
+
 def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
-           streams: dict[str, Any], state: TrainState, stopper: EarlyStopping) -> dict[str, Any]:
-    """The steps of :func:`run` from ``state`` on; returns the last evaluation."""
+           streams: dict[str, Any], state: TrainState, stopper: EarlyStopping,
+           notice: PreemptionNotice) -> dict[str, Any]:
+    """The steps of :func:`run` from ``state`` on; returns the last evaluation. Raises
+    :class:`Preempted` after saving the step a preemption notice stopped at."""
     config = task.config
     first, total = int(state.step), task.total_train_steps
     # ETA from the average step time, compiles and evaluations left out (paused).
@@ -296,18 +313,14 @@ def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
             guard.add(step, metrics)
             window.add(key, metrics, task.examples_per_step(key))
             bar.update(1)
-            do_log = step % config.log_every_steps == 0 or step == total
-            do_eval = step % config.eval_every_steps == 0 or step == total
-            do_save = do_eval or step % config.checkpoint_every_steps == 0
+            preempted = notice.reached(step)
+            do_log = step % config.log_every_steps == 0 or step == total or preempted
+            do_eval = (step % config.eval_every_steps == 0 or step == total) and not preempted
+            do_save = do_eval or step % config.checkpoint_every_steps == 0 or preempted
             if do_log or do_save:  # each syncs with the device anyway
                 guard.check(manager)
             if do_log:
-                scalars = window.scalars(task)
-                if guard.skip:
-                    scalars["skipped_updates"] = float(guard.take_skipped())
-                writer.write_scalars(step, scalars)
-                task.history.append((step, scalars))
-                bar.set_postfix(loss=f"{scalars.get(f'{key}/loss', scalars.get('loss')):.3f}")
+                _log(task, writer, window, guard, bar, step, key)
                 window = _Window()
             stop = False
             if do_eval:
@@ -320,6 +333,9 @@ def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
             if do_save:
                 checkpoints.save(manager, step, state, streams,
                      _checkpoint_metrics(results) if do_eval else None)
+            if preempted:
+                manager.wait_until_finished()
+                raise Preempted(step, manager.directory)
             if stop:
                 logging.info("early stop at step %d: val %s has not improved for %d "
                              "evaluations (best %.4f at step %d)", step, stopper.metric,
