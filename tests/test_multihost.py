@@ -10,6 +10,11 @@ machine (``python -m changecap_jax.main --multihost``, gloo collectives), sharin
   with the same losses, and its final evaluation gathers every process's captions;
 * SIGTERM to one host (a preemption notice): all four save the same step and exit 0; the run
   resumed on 1 process x 8 devices continues from that step with the same losses.
+
+Marked slow (2-4 minutes each on a 2-core machine: four processes compile and train there
+at once); CI runs them after the default suite (.ci/run). Their parts have fast tests in the
+default run: test_host_watch.py (the one line), test_pipeline.py (each process's slice of the
+global batches, states across process counts), test_train.py (a SIGTERM on one process).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from changecap_jax import host_watch, parallel
 from changecap_jax.data import datasets
 from changecap_jax.trainers import captioning
 
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CHECKPOINT_EVERY, PEER_TIMEOUT_S = 6, 2, 10
 CONFIG = """
