@@ -50,7 +50,7 @@ def fake_gcs() -> Iterator[str]:
 
     try:
         fsspec.get_filesystem_class("gs").clear_instance_cache()  # no client of another server
-        fsspec.filesystem("gs").mkdir(BUCKET)
+        fsspec.filesystem("gs", token="anon").mkdir(BUCKET)
         yield server.url
     finally:
         server.stop()

@@ -1,8 +1,9 @@
 """Every path on gs:// (changecap_jax/io/paths.py), against a local fake GCS server
-(tests/gcs_helpers.py): the path helpers, the workdir lock, a dataset built into and read from
-a bucket, and training, resuming and evaluating with the workdir in the bucket giving the same
-digits as on local disk. The whole command-line cycle (kill -9 mid-run, resume, eval, export,
-predict, report) is test_the_command_line_cycle_on_gs_equals_local_disk, marked slow."""
+(tests/gcs_helpers.py): the path helpers, the workdir lock, a dataset built into a bucket and
+copied to another host, and training resumed in a bucket giving the same losses as on local
+disk. The whole command-line cycle (build, train, kill -9 after a checkpoint, resume, eval,
+export, predict, report, every path on gs:// against the same on disk) is
+test_the_command_line_cycle_on_gs_equals_local_disk, marked slow (minutes: 12 commands)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from gcs_helpers import BUCKET, fake_gcs
 from train_helpers import SMALL, tiny_config
 
 from changecap_jax.data import datasets
-from changecap_jax.io import paths, workdir_lock
+from changecap_jax.io import checkpoints, paths, workdir_lock
 from changecap_jax.trainers import captioning, loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,22 +128,20 @@ def _trainer(data_dir: str, workdir: str, steps: int, final: tuple[str, ...],
     return trainer
 
 
-def _results(workdir: str, step: int) -> tuple[dict, list, list]:
-    root = paths.path(workdir)
-    metrics = json.loads((root / "metrics" / f"val_{step}.json").read_text())
-    captions = json.loads((root / "captions" / f"val_{step}.json").read_text())
-    scalars = [{k: v for k, v in json.loads(line).items() if not k.endswith("_per_second")}
-               for line in (root / loop.SCALARS_FILE).read_text().splitlines()]
-    return metrics, captions, scalars
+def _scalars(workdir: str) -> list[dict]:
+    """scalars.jsonl without the timings."""
+    lines = (paths.path(workdir) / loop.SCALARS_FILE).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_per_second")}
+            for line in lines]
 
 
-def test_train_resume_and_evaluate_in_a_bucket_give_the_local_digits(gcs, tmp_path):
-    """Data and workdir in the bucket: 2 steps (the run then stops as if killed: no final
-    evaluation), then a resumed run to 4 from the step-2 checkpoint, equal to 4 steps straight
-    on local disk: losses, val metrics and captions."""
+def test_train_and_resume_in_a_bucket_give_the_local_digits(gcs, tmp_path):
+    """Data and workdir in the bucket: 2 steps, then a resumed run to 4 from the step-2
+    checkpoint, equal to 4 steps straight on local disk (every logged loss). Evaluation is
+    left to the slow command-line cycle below (it costs a decode compile and the scorers)."""
     local_data = tmp_path / "data"
     datasets.prepare("synthetic", local_data, "moderate", SMALL)
-    local = _trainer(str(local_data), str(tmp_path / "run"), 4, ("val",))
+    local = _trainer(str(local_data), str(tmp_path / "run"), 4, ())
     fresh = local.init_state()
     workdir = _bucket("run_resumed")
     with pytest.MonkeyPatch.context() as patch:
@@ -152,12 +151,11 @@ def test_train_resume_and_evaluate_in_a_bucket_give_the_local_digits(gcs, tmp_pa
                       lambda self: jax.tree.map(jnp.copy, fresh))
         local.train()
         _trainer(_bucket("data_train"), workdir, 2, (), like=local).train()
-        resumed = _trainer(_bucket("data_train"), workdir, 4, ("val",), like=local)
+        resumed = _trainer(_bucket("data_train"), workdir, 4, (), like=local)
         resumed.train()
     assert resumed.history[0][0] == 3  # resumed after step 2, not from scratch
-    got, want = _results(workdir, 4), _results(str(tmp_path / "run"), 4)
-    assert got[0] == want[0] and got[1] == want[1] and got[0]["num_pairs"] > 0
-    assert got[2] == want[2]  # the scalars: steps 1-4 once each, the same losses
+    got, want = _scalars(workdir), _scalars(str(tmp_path / "run"))
+    assert got == want and [row["step"] for row in got] == [1, 2, 3, 4]  # once each
     root = paths.path(workdir)
     assert sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2", "4"]
@@ -168,7 +166,7 @@ def test_train_resume_and_evaluate_in_a_bucket_give_the_local_digits(gcs, tmp_pa
 
 # ---- the command-line cycle ----------------------------------------------------------------
 
-STEPS, KILL_AFTER = 60, 10
+STEPS, KILL_AFTER, LOG_EVERY = 30, 10, 5
 OPTIONS = [f"--config.dataset.options.{k}={v}" for k, v in SMALL.items()
            if k != "feature_shape"] + ["--config.dataset.options.feature_shape=(4, 4, 16)"]
 
@@ -184,7 +182,7 @@ def _main_args(data_dir: str, workdir: str) -> list[str]:
             "--config.model.word_dim=16", "--config.model.ffn_dim=64",
             "--config.model.mlp_hidden_dim=64", "--config.batch_size=16",
             "--config.eval_batch_size=8", f"--config.num_train_steps={STEPS}",
-            "--config.log_every_steps=1", "--config.eval_every_steps=1000",
+            f"--config.log_every_steps={LOG_EVERY}", "--config.eval_every_steps=1000",
             f"--config.checkpoint_every_steps={KILL_AFTER}", "--config.eval_splits=()",
             "--config.final_eval_splits=('test',)", "--config.difficulty_bins=0",
             "--config.spice=off"]
@@ -207,10 +205,9 @@ def _train_killed_then_resumed(data_dir: str, workdir: str) -> None:
     proc = subprocess.Popen(_command(*_main_args(data_dir, workdir)), cwd=ROOT, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    saved = paths.path(workdir) / "checkpoints" / str(KILL_AFTER) / "_CHECKPOINT_METADATA"
     try:
         deadline = time.monotonic() + 300
-        while not saved.exists():
+        while KILL_AFTER not in checkpoints.steps(paths.join(workdir, "checkpoints")):
             assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()}"
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.1)
@@ -219,10 +216,10 @@ def _train_killed_then_resumed(data_dir: str, workdir: str) -> None:
         proc.wait()
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
-    steps_before = [p.name for p in (paths.path(workdir) / "checkpoints").iterdir()]
-    assert str(STEPS) not in steps_before, "the kill came after the run's end"
+    saved = checkpoints.steps(paths.join(workdir, "checkpoints"))
+    assert STEPS not in saved, "the kill came after the run's end"
     resumed = _run(_main_args(data_dir, workdir))
-    assert f"restored checkpoint of step {KILL_AFTER}" in resumed.stderr
+    assert f"restored checkpoint of step {saved[-1]} " in resumed.stderr
 
 
 def _cycle(root: str, images: tuple[str, str]) -> dict[str, object]:
@@ -243,9 +240,7 @@ def _cycle(root: str, images: tuple[str, str]) -> dict[str, object]:
     return {
         "metrics": json.loads((run / "metrics" / f"test_{STEPS}.json").read_text()),
         "captions": json.loads((run / "captions" / f"test_{STEPS}.json").read_text()),
-        "scalars": [{k: v for k, v in json.loads(line).items()
-                     if not k.endswith("_per_second")}
-                    for line in (run / loop.SCALARS_FILE).read_text().splitlines()],
+        "scalars": _scalars(workdir),
         "exported": sorted(p.name for p in paths.path(model).iterdir()),
         "prediction": {k: prediction[k] for k in ("caption", "tokens", "log_prob")},
         "report": report.name,
@@ -276,4 +271,4 @@ def test_the_command_line_cycle_on_gs_equals_local_disk(gcs, tmp_path):
         os.environ.pop("CHANGECAP_CACHE_DIR")
     for key in ("metrics", "captions", "scalars", "exported", "prediction", "report"):
         assert on_gs[key] == on_disk[key], key
-    assert len(on_gs["scalars"]) == STEPS and on_gs["metrics"]["num_pairs"] > 0
+    assert len(on_gs["scalars"]) > STEPS // LOG_EVERY and on_gs["metrics"]["num_pairs"] > 0

@@ -104,9 +104,10 @@ def size_mismatch(before: paths.AnyPath, after: paths.AnyPath) -> str | None:
             "parts of the scene: crop or resize them to one size for a faithful comparison")
 
 
-def read_pairs(path: str | os.PathLike) -> list[tuple[Path, Path]]:
-    """``before,after`` rows of a CSV (optional header); relative paths from its folder."""
-    path = Path(path)
+def read_pairs(path: str | os.PathLike) -> list[tuple[paths.AnyPath, paths.AnyPath]]:
+    """``before,after`` rows of a CSV (optional header); relative paths from its folder. The
+    file and the images may be local or in a bucket."""
+    path = paths.path(path)
     if not path.is_file():
         raise PredictError(f"pairs file {path} does not exist")
     pairs = []
@@ -120,8 +121,8 @@ def read_pairs(path: str | os.PathLike) -> list[tuple[Path, Path]]:
                                    f"got {len(cells)}: {row!r}")
             if i == 0 and [c.lower() for c in cells] == ["before", "after"]:
                 continue
-            pairs.append(tuple(p if p.is_absolute() else path.parent / p
-                               for p in map(Path, cells)))
+            pairs.append(tuple(paths.path(c) if paths.is_remote(c) or Path(c).is_absolute()
+                               else path.parent / c for c in cells))
     if not pairs:
         raise PredictError(f"pairs file {path} lists no pairs")
     return pairs
@@ -331,7 +332,7 @@ def main(argv: list[str]) -> None:
     if f.pairs:
         pairs, names = read_pairs(f.pairs), None
     elif f.before and f.after:
-        pairs, names = [(Path(f.before), Path(f.after))], [f.name or "pair_0000"]
+        pairs, names = [(paths.path(f.before), paths.path(f.after))], [f.name or "pair_0000"]
     else:
         raise app.UsageError("give --before=IMG --after=IMG, or --pairs=FILE.csv")
     results = predict_pairs(f.model, pairs, f.out, names=names, beam_size=f.beam_size,

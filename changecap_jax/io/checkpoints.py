@@ -54,6 +54,7 @@ DAMAGED_SUFFIX = ".damaged"
 CHECKPOINTS_DIR = "checkpoints"  # a workdir's orbax folder
 # TensorStore's status codes for a file that is truncated, corrupt or gone (its errors reach
 # us as ValueError("CODE: ...")); a wrong target shape or dtype raises other errors.
+COMMIT_FILE = "commit_success.txt"  # orbax's mark of a complete save in a bucket
 TENSORSTORE_DAMAGE = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION): ")
 
 
@@ -100,7 +101,12 @@ def steps(directory: str | os.PathLike) -> list[int]:
     directory = paths.path(directory)
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    found = [p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+    if paths.is_remote(directory):
+        # A bucket has no folder rename: orbax saves into the step's folder and marks it
+        # complete with a last file; a killed save leaves the folder without it.
+        found = [p for p in found if (p / COMMIT_FILE).exists()]
+    return sorted(int(p.name) for p in found)
 
 
 def has_steps(directory: str | os.PathLike) -> bool:

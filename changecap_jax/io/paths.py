@@ -64,11 +64,15 @@ def join(p: PathLike, *parts: str) -> str:
 
 def _configure_gcs() -> None:
     """gcsfs caches folder listings forever by default; another host (or TensorStore, which
-    writes orbax's arrays past gcsfs) changes a bucket behind that cache, so it is off."""
+    writes orbax's arrays past gcsfs) changes a bucket behind that cache, so it is off. A
+    local emulator (``STORAGE_EMULATOR_HOST``) takes no credentials: none are looked for."""
     import fsspec.config
 
-    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
-    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+    for protocol in ("gcs", "gs"):
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        conf.setdefault("use_listings_cache", False)
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            conf.setdefault("token", "anon")
 
 
 def _fs(p: AnyPath) -> Any:
