@@ -59,5 +59,9 @@ def fake_gcs() -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        # gcsfs keeps one client per set of arguments, bound to this server's address.
+        # gcsfs keeps one client per set of arguments, and etils one gcsfs, bound to this
+        # server's address.
         fsspec.get_filesystem_class("gs").clear_instance_cache()
+        from etils.epath import backend
+
+        backend.fsspec_backend._get_filesystem.cache_clear()

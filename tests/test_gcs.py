@@ -162,6 +162,9 @@ def test_train_and_resume_in_a_bucket_give_the_local_digits(gcs, tmp_path):
     assert (root / "config.json").exists()
     assert any(p.name.startswith("events.out.tfevents") for p in (root / "tensorboard").iterdir())
     assert not (root / workdir_lock.LOCK_FILE).exists()
+    from changecap_jax import main as entry  # its flags are defined at import
+
+    assert entry.closing_line(workdir) == f"done: checkpoints {workdir}/checkpoints"
 
 
 # ---- the command-line cycle ----------------------------------------------------------------
@@ -263,6 +266,7 @@ def test_the_command_line_cycle_on_gs_equals_local_disk(gcs, tmp_path):
                                           for p in pair))
     finally:
         os.environ.pop("CHANGECAP_CACHE_DIR")
+    assert any(paths.path(_bucket("xla")).iterdir())  # JAX wrote its compiled programs there
     local_root = str(tmp_path / "cycle")
     os.environ["CHANGECAP_CACHE_DIR"] = str(tmp_path / "xla")
     try:
@@ -271,4 +275,5 @@ def test_the_command_line_cycle_on_gs_equals_local_disk(gcs, tmp_path):
         os.environ.pop("CHANGECAP_CACHE_DIR")
     for key in ("metrics", "captions", "scalars", "exported", "prediction", "report"):
         assert on_gs[key] == on_disk[key], key
+    print("equal on gs:// and disk:", json.dumps({k: on_gs[k] for k in ("metrics", "prediction")}))
     assert len(on_gs["scalars"]) > STEPS // LOG_EVERY and on_gs["metrics"]["num_pairs"] > 0

@@ -76,11 +76,11 @@ def _configure_gcs() -> None:
 
 
 def _fs(p: AnyPath) -> Any:
-    """The fsspec filesystem of a URL path (the one epath uses)."""
+    """The fsspec filesystem of a URL path (the one epath uses: gcsfs for gs://)."""
     import fsspec
 
     _configure_gcs()
-    return fsspec.filesystem(p._uri_scheme or "file")  # noqa: SLF001 (epath's own scheme)
+    return fsspec.filesystem(os.fspath(p).split("://", 1)[0])
 
 
 def _fs_path(p: AnyPath) -> str:
@@ -220,8 +220,8 @@ def mirror(src: PathLike, dst: PathLike, what: str, last: Iterable[str] = ()) ->
     copy leaves no half file under its name). ``last``: names copied after the others (the
     marker a reader checks to see a complete folder). Returns the bytes copied."""
     src, dst = path(src), pathlib.Path(dst)
-    files = _remote_files(src)
-    todo = [name for name in sorted(files, key=lambda n: (n in set(last), n))
+    files, last = _remote_files(src), set(last)
+    todo = [name for name in sorted(files, key=lambda n: (n in last, n))
             if not ((dst / name).is_file() and (dst / name).stat().st_size == files[name])]
     total = sum(files[name] for name in todo)
     if not todo:
