@@ -10,7 +10,8 @@ real datasets
 ``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
 directory (no builder code, and so no torch, is needed to read them). Their variant is the
 feature extraction (e.g. ``layer3``); when ``dataset.variant`` is empty and only one variant
-is built, that one is used.
+is built, that one is used. A data dir in a bucket (``gs://...``) is read from a per-host
+local copy (:func:`_prepare_remote`).
 """
 
 from __future__ import annotations
