@@ -17,13 +17,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from gcs_helpers import BUCKET, fake_gcs
 from train_helpers import SMALL, tiny_config
 
 from changecap_jax.data import datasets
 from changecap_jax.io import checkpoints, paths, workdir_lock
-from changecap_jax.trainers import captioning, loop
+from changecap_jax.trainers import captioning, loop, update
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,6 +91,23 @@ def test_the_workdir_lock_in_a_bucket(gcs):
     lock = paths.path(workdir) / workdir_lock.LOCK_FILE
     assert not workdir_lock.is_stale(gone, lock)
     assert workdir_lock.is_stale(gone, lock, now=time.time() + workdir_lock.STALE_AFTER_S + 60)
+
+
+def test_the_best_state_and_init_from_in_a_bucket(gcs):
+    """loop.EarlyStopping's best/ (its checkpoint and record.json) in a bucket, and another
+    run's init_from reading it there."""
+    best = _bucket("early", "best")
+    state = update.TrainState(step=jnp.int32(1), params={"w": jnp.full(2, 0.5)}, opt_state=(),
+                              rng=jax.random.key(0))
+    stopper = loop.EarlyStopping(best, patience=1)
+    assert not stopper.update(1, {"val": {"CIDEr": 0.5}}, state)
+    worse = state.replace(step=jnp.int32(2), params={"w": jnp.zeros(2)})
+    assert stopper.update(2, {"val": {"CIDEr": 0.4}}, worse)
+    assert int(stopper.restore(worse).step) == 1
+    resumed = loop.EarlyStopping(best, patience=1)  # the record is read back from the bucket
+    assert (resumed.best, resumed.best_step, resumed.since) == (0.5, 1, 1)
+    params = checkpoints.init_params_from({"w": jnp.zeros(2)}, best)
+    assert np.all(np.asarray(params["w"]) == 0.5)
 
 
 # ---- data, training, resume and evaluation in the bucket ------------------------------------
