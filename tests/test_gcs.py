@@ -7,11 +7,13 @@ test_the_command_line_cycle_on_gs_equals_local_disk, marked slow (minutes: 12 co
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from gcs_helpers import BUCKET, fake_gcs
 from train_helpers import SMALL, tiny_config
 
 from changecap_jax.data import datasets
+from changecap_jax.errors import UserError
 from changecap_jax.io import checkpoints, paths, workdir_lock
 from changecap_jax.trainers import captioning, loop, update
 
@@ -57,6 +60,14 @@ def test_a_url_keeps_its_slashes_and_a_local_path_stays_pathlib(tmp_path):
     assert os.fspath(remote) == "gs://bucket/run/checkpoints" and paths.is_remote(remote)
     assert paths.join("gs://bucket/run", "a", "b") == "gs://bucket/run/a/b"
     assert paths.local_mirror_dir("gs://b/data/x").parts[-4:] == ("gs", "b", "data", "x")
+
+
+def test_without_gcsfs_a_bucket_path_is_a_one_line_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gcsfs" else real(name, *a))
+    with pytest.raises(UserError, match=r"gs://b/run: gs:// paths need gcsfs"):
+        paths.path("gs://b/run")
 
 
 def test_create_if_absent_append_and_atomic_write_in_a_bucket(gcs):
@@ -223,19 +234,21 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 def _train_killed_then_resumed(data_dir: str, workdir: str) -> None:
     """Starts training, kill -9s it once the step-KILL_AFTER checkpoint is complete, then
     trains again (resuming) to the end."""
+    log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the run writes
     proc = subprocess.Popen(_command(*_main_args(data_dir, workdir)), cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while KILL_AFTER not in checkpoints.steps(paths.join(workdir, "checkpoints")):
-            assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()}"
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the run ended before the kill: {log.read()[-3000:].decode()}")
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
-        proc.stderr.close()
+        log.close()
     assert proc.returncode == -signal.SIGKILL
     saved = checkpoints.steps(paths.join(workdir, "checkpoints"))
     assert STEPS not in saved, "the kill came after the run's end"

@@ -21,6 +21,7 @@ random access into ArrayRecord files, say): :func:`mirror` copies a folder to th
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import pathlib
@@ -32,6 +33,7 @@ from typing import IO, Any, Union
 from etils import epath
 
 from changecap_jax import console
+from changecap_jax.errors import UserError
 
 # A URL path: "<scheme>://..." (gs, s3...); everything else is a local path.
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -52,6 +54,8 @@ def path(p: PathLike) -> AnyPath:
         return p
     text = os.fspath(p)
     if is_remote(text):
+        if text.startswith(("gs://", "gcs://")) and importlib.util.find_spec("gcsfs") is None:
+            raise UserError(f"{text}: gs:// paths need gcsfs (pip install gcsfs)")
         _configure_gcs()
         return epath.Path(text)
     return pathlib.Path(text)
