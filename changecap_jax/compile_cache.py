@@ -10,6 +10,9 @@ Where the cache lives (the first that applies):
 * a folder the user already gave JAX itself (``JAX_COMPILATION_CACHE_DIR``);
 * ``$XDG_CACHE_HOME/changecap_jax/xla``, else ``~/.cache/changecap_jax/xla``.
 
+A bucket folder (``gs://...``) works too: JAX reads and writes its entries through etils'
+paths (gcsfs), so the hosts of a slice can share one cache.
+
 ``CHANGECAP_COMPILATION_CACHE=0`` (or ``false``/``off``/``no``) turns it off. Delete the
 folder to clear it; JAX keys every entry by the program, the jax/jaxlib versions, the
 backend and the compile options, so a stale entry is never used for a different program.
@@ -22,8 +25,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
+
+from etils import epath
 
 ENV_DIR = "CHANGECAP_CACHE_DIR"
 ENV_SWITCH = "CHANGECAP_COMPILATION_CACHE"
@@ -44,16 +50,27 @@ def is_disabled() -> bool:
     return os.environ.get(ENV_SWITCH, "").strip().lower() in OFF_VALUES
 
 
-def default_dir() -> Path:
+def _is_url(path: str | os.PathLike) -> bool:
+    # io/paths.is_remote's test; this module sits beside io/ and may not import it.
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", os.fspath(path)))
+
+
+def _as_path(path: str | os.PathLike) -> Path | epath.Path:
+    """A bucket folder as an epath (pathlib would squash its ``//``), else a local Path."""
+    return epath.Path(os.fspath(path)) if _is_url(path) else Path(path)
+
+
+def default_dir() -> Path | epath.Path:
     """``$CHANGECAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/changecap_jax/xla``, else
     ``~/.cache/changecap_jax/xla``."""
     if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR]).expanduser()
+        folder = _as_path(os.environ[ENV_DIR])
+        return folder if _is_url(folder) else folder.expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "changecap_jax" / "xla"
 
 
-def enable(path: str | os.PathLike | None = None) -> Path | None:
+def enable(path: str | os.PathLike | None = None) -> Path | epath.Path | None:
     """Turns the persistent compilation cache on; returns its folder (None when switched off).
 
     ``path`` None: :func:`default_dir`, unless JAX was already given a folder by its own
@@ -66,11 +83,12 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
         return None
     jax_dir = jax.config.jax_compilation_cache_dir
     if path is None and jax_dir and not os.environ.get(ENV_DIR):
-        folder = Path(jax_dir)
+        folder = _as_path(jax_dir)
     else:
-        folder = Path(path) if path is not None else default_dir()
+        folder = _as_path(path) if path is not None else default_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not _is_url(folder):  # a bucket has no folders to make
+            folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. a read-only home: run uncached rather than not at all
         logging.warning("compilation cache off: cannot create %s (%s)", folder, e)
         return None

@@ -29,7 +29,7 @@ from tqdm import tqdm
 QUIET_LIBRARIES = ("jax",)
 # Sources whose INFO lines are chatter: libraries that log through absl (one logger for all,
 # so told apart by the file that logged).
-QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/")
+QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/", "/fsspec/", "/gcsfs/")
 LOG_PROGRESS_EVERY_S = 30.0  # off a terminal: the least time between two progress lines
 
 

@@ -3,6 +3,7 @@
     --config=configs/MODEL.py[:PRESET]   ml_collections config file (override any field with
                                          --config.FIELD=VALUE, e.g. --config.batch_size=32)
     --workdir=DIR                        checkpoints/, tensorboard/, metrics/, captions/
+                                         (a local folder or gs://BUCKET/...)
     --mode=train|eval                    train (resumes from DIR's latest checkpoint) or
                                          score the latest checkpoint on the final splits
                                          (both pass damaged checkpoints with a warning,
@@ -28,7 +29,6 @@ import os
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import ml_collections
 from absl import app, flags
@@ -36,7 +36,7 @@ from ml_collections import config_flags
 
 from changecap_jax import cli, host_watch
 from changecap_jax.errors import UserError
-from changecap_jax.io import workdir_lock
+from changecap_jax.io import paths, workdir_lock
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=True)
@@ -57,12 +57,12 @@ flags.DEFINE_integer("peer_timeout_s", 100, "With --multihost: a process that se
 def closing_line(workdir: str | os.PathLike) -> str:
     """What a run leaves in ``workdir`` (the folders that exist) and, when it has captions and
     its config.json, the command that makes the HTML report of its latest evaluation."""
-    workdir = Path(workdir)
+    workdir = paths.path(workdir)
     folders = [f"{name} {workdir / name}" for name in ("metrics", "captions", "checkpoints")
                if (workdir / name).is_dir()]
     line = "done: " + (", ".join(folders) if folders else f"nothing written in {workdir}")
     # captions/<split>_<step>.json, by time written; the report's default split is test.
-    evaluated = sorted((p.stat().st_mtime, m.group(1)) for p in (workdir / "captions").glob("*")
+    evaluated = sorted((paths.mtime(p), m.group(1)) for p in (workdir / "captions").glob("*")
                        if (m := re.fullmatch(r"(.+)_\d+\.json", p.name)))
     if evaluated and (workdir / "config.json").exists():
         splits = {split for _, split in evaluated}
@@ -77,7 +77,7 @@ def _require_checkpoint(workdir: str) -> None:
     for the synthetic one, built)."""
     from changecap_jax.io import checkpoints  # JAX and orbax: after the allocator restart
 
-    directory = Path(workdir) / "checkpoints"
+    directory = paths.path(workdir) / "checkpoints"
     if not checkpoints.has_steps(directory):
         raise UserError(f"no checkpoint in {directory}: train into --workdir={workdir} first, "
                         "or convert one (python -m changecap_jax convert)")

@@ -27,12 +27,14 @@ the bytes every training step reads (1.2 MB instead of 2.4 MB per CLEVR-Change e
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from absl import app, flags
 
 from changecap_jax import cli
 from changecap_jax.data import datasets
 from changecap_jax.data.vocab import CaptionError
+from changecap_jax.io import paths
 from data_prep import builders
 from data_prep.builders.base import BuildError, make_config
 
@@ -74,13 +76,20 @@ def build_real(name: str) -> datasets.PreparedDataset:
                          FLAGS.max_caption_len)
     named = config.name if config.name in cls.builder_configs else config
     root = FLAGS.data_dir or str(datasets.default_data_dir())
-    builder = cls(data_dir=root, config=named, file_format="array_record",
+    # Into a bucket: built in this host's local copy of it, then uploaded (TFDS writes and
+    # the build lock need a local disk).
+    local_root = paths.local_mirror_dir(root) if paths.is_remote(root) else root
+    builder = cls(data_dir=str(local_root), config=named, file_format="array_record",
                   raw_dir=FLAGS.raw_dir, features_dir=FLAGS.features_dir,
                   weights=FLAGS.weights, batch_size=FLAGS.batch_size, device=FLAGS.device)
     try:
         datasets.build(builder, wait_s=FLAGS.wait)
     except (BuildError, CaptionError, FileNotFoundError, datasets.building.LockTimeout) as e:
         sys.exit(f"error: {e}")
+    if paths.is_remote(root):
+        local = Path(builder.data_dir)
+        paths.upload(local, paths.path(root) / local.relative_to(local_root).as_posix(),
+                     datasets.describe(builder), last=("dataset_info.json",))
     return datasets.prepare(name, root, config.name)
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import flax
@@ -54,18 +53,21 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from changecap_jax import models
 from changecap_jax.convert import registry
-from changecap_jax.io import checkpoints
+from changecap_jax.io import checkpoints, paths
 from changecap_jax.models import contract, losses
 
 
 def load_params(workdir: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
     """The ``params`` of ``workdir/checkpoints/<step>`` (latest by default), restored without a
     target (no model or dataset needed)."""
-    directory = Path(workdir).absolute() / "checkpoints"
-    with ocp.CheckpointManager(directory, item_names=("state", "data")) as manager:
+    directory = paths.path(workdir) / "checkpoints"
+    if not paths.is_remote(directory):
+        directory = directory.absolute()
+    with ocp.CheckpointManager(epath.Path(directory), item_names=("state", "data")) as manager:
         if manager.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
         _, restored = checkpoints.restore(

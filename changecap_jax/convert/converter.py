@@ -40,7 +40,6 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import flax
@@ -60,7 +59,7 @@ from changecap_jax.convert.torch_checkpoint import (
     read_state_dict,
 )
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.io import checkpoints, run_config
+from changecap_jax.io import checkpoints, paths, run_config
 from changecap_jax.trainers import captioning, optimizers, update
 
 MISSING_POLICIES = ("error", "init")
@@ -397,7 +396,7 @@ def _save(config: ml_collections.ConfigDict, workdir: str | os.PathLike[str], st
           state: update.TrainState, dataset: Any | None, report: ConversionReport) -> None:
     """Writes ``workdir/checkpoints/<step>`` with the trainer's manager and items, into an
     empty workdir only."""
-    directory = Path(workdir) / "checkpoints"
+    directory = paths.path(workdir) / "checkpoints"
     manager = checkpoints.make_checkpoint_manager(directory, config.keep_checkpoints)
     try:
         if manager.all_steps():

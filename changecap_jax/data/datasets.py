@@ -10,7 +10,8 @@ real datasets
 ``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
 directory (no builder code, and so no torch, is needed to read them). Their variant is the
 feature extraction (e.g. ``layer3``); when ``dataset.variant`` is empty and only one variant
-is built, that one is used.
+is built, that one is used. A data dir in a bucket (``gs://...``) is read from a per-host
+local copy (:func:`_prepare_remote`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from changecap_jax.data import auto_prep, building, entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
+from changecap_jax.io import paths
 
 
 class DatasetError(UserError, RuntimeError):
@@ -108,9 +110,9 @@ def with_entities(dataset: PreparedDataset, count: int) -> PreparedDataset:
     return dataclasses.replace(dataset, entities=inputs, entity_count=count)
 
 
-def default_data_dir() -> Path:
+def default_data_dir() -> paths.AnyPath:
     if os.environ.get("CHANGECAP_DATA_DIR"):
-        return Path(os.environ["CHANGECAP_DATA_DIR"])
+        return paths.path(os.environ["CHANGECAP_DATA_DIR"])
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "changecap_jax"
 
@@ -153,7 +155,7 @@ def _version_key(path: Path) -> tuple[int, ...]:
         return (-1,)
 
 
-def built_variants(root: Path, name: str) -> dict[str, Path]:
+def built_variants(root: paths.AnyPath, name: str) -> dict[str, paths.AnyPath]:
     """variant -> directory of its newest built version, for a real dataset under ``root``."""
     out = {}
     base = root / name
@@ -166,7 +168,9 @@ def built_variants(root: Path, name: str) -> dict[str, Path]:
     return out
 
 
-def _prepare_real(name: str, root: Path, variant: str) -> PreparedDataset:
+def _real_directory(name: str, root: paths.AnyPath, variant: str) -> paths.AnyPath:
+    """The directory of the newest built version of a real dataset's variant under ``root``.
+    """
     how = (f"build it with: python -m data_prep.build {name} --raw_dir=RAW "
            f"--data_dir={root} (see docs/datasets.md)")
     variants = built_variants(root, name)
@@ -182,7 +186,10 @@ def _prepare_real(name: str, root: Path, variant: str) -> PreparedDataset:
     else:
         raise DatasetError(f"dataset {name!r} has several built variants in {root / name}: "
                            f"{sorted(variants)}; choose one with --config.dataset.variant=...")
-    directory = variants[variant]
+    return variants[variant]
+
+
+def _open_real(name: str, directory: Path) -> PreparedDataset:
     try:
         builder = tfds.builder_from_directory(str(directory))
     except Exception as e:  # TFDS raises several types for a damaged dataset_info.json
@@ -203,12 +210,15 @@ def prepare(
 
     ``wait_s``: how long to wait for another process building the same dataset."""
     explicit_dir = data_dir not in (None, "")
-    root = Path(data_dir) if explicit_dir else default_data_dir()
-    if name in REAL_DATASETS:
-        return _prepare_real(name, root, variant)
-    if name not in BUILDERS:
+    root = paths.path(data_dir) if explicit_dir else default_data_dir()
+    if name not in BUILDERS and name not in REAL_DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; known datasets: "
                            f"{sorted([*BUILDERS, *REAL_DATASETS])}")
+    if paths.is_remote(root):
+        return _prepare_remote(name, root, variant, options or {},
+                               build_if_missing=build_if_missing, wait_s=wait_s)
+    if name in REAL_DATASETS:
+        return _open_real(name, _real_directory(name, root, variant))
     factory, self_building = BUILDERS[name]
     can_build = self_building and build_if_missing
     if explicit_dir and not root.is_dir() and not can_build:
@@ -234,6 +244,57 @@ def prepare(
     prepared = _read_prepared(name, builder, directory)
     prepared.auto_prepare = can_build
     return prepared
+
+
+def _prepare_remote(name: str, root: paths.AnyPath, variant: str, options: Mapping[str, Any],
+                    *, build_if_missing: bool, wait_s: float) -> PreparedDataset:
+    """A dataset whose data dir is in a bucket, read from this host's local copy
+    (``paths.local_mirror_dir``): TFDS and grain read ArrayRecord files by random access, one
+    small read per record, which over the network would cost a request each. The copy is
+    refreshed file by file (a file whose size differs is copied again). A self-building
+    dataset missing from the bucket is built locally and uploaded, dataset_info.json last (the
+    file that says a dataset is complete)."""
+    local_root = paths.local_mirror_dir(root)
+    if name in REAL_DATASETS:
+        remote = _real_directory(name, root, variant)
+        local = local_root / os.fspath(remote)[len(os.fspath(root)):].strip("/")
+        _mirror_dataset(remote, local, name, wait_s)
+        return _open_real(name, local)
+    factory, self_building = BUILDERS[name]
+    can_build = self_building and build_if_missing
+    builder = factory(local_root, variant or "moderate", options)
+    local = Path(builder.data_dir)
+    remote = root / local.relative_to(local_root).as_posix()
+    if (remote / "dataset_info.json").exists():
+        _mirror_dataset(remote, local, name, wait_s)
+    elif not can_build:
+        raise DatasetError(
+            f"dataset {name!r} ({builder.builder_config.name}) is not built in {root}: "
+            f"expected {remote}; build it with python -m data_prep.build {name} "
+            f"--data_dir={root}")
+    else:
+        try:
+            build(builder, wait_s=wait_s)
+        except building.LockTimeout as e:
+            raise DatasetError(str(e)) from e
+        if not (remote / "dataset_info.json").exists():  # another host may have uploaded it
+            paths.upload(local, remote, describe(builder), last=("dataset_info.json",))
+    builder = factory(local_root, variant or "moderate", options)
+    prepared = _read_prepared(name, builder, local)
+    prepared.auto_prepare = can_build
+    return prepared
+
+
+def _mirror_dataset(remote: paths.AnyPath, local: Path, name: str, wait_s: float) -> None:
+    """Brings this host's copy of a bucket dataset up to date; one process of the host at a
+    time (the local dataset lock), the marker file last."""
+    try:
+        with building.dataset_lock(local, f"the local copy of {name}", wait_s):
+            paths.mirror(remote, local, f"dataset {name}", last=("dataset_info.json",))
+    except building.LockTimeout as e:
+        raise DatasetError(str(e)) from e
+    except OSError as e:
+        raise DatasetError(f"cannot copy dataset {name!r} from {remote} to {local}: {e}") from e
 
 
 def describe(builder: tfds.core.DatasetBuilder) -> str:

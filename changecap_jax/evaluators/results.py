@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from changecap_jax.evaluators.captions import PairCaption
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def write_results(
     records: list[PairCaption],
     metrics: dict[str, Any],
     extra: dict[str, dict[str, Any]] | None = None,
-) -> tuple[Path, Path]:
+) -> tuple[paths.AnyPath, paths.AnyPath]:
     """Write the captions and metrics files of one evaluation.
 
     Paths: ``<workdir>/captions/<split>_<step>.json`` and ``<workdir>/metrics/<split>_<step>.json``.
@@ -61,7 +61,7 @@ def write_results(
             raise ValueError(f"extra[{rec.image_id!r}] overrides reserved fields {clash!r}")
         entry.update(fields)
         entries.append(entry)
-    root = Path(workdir)
+    root = paths.path(workdir)
     name = f"{split}_{step}.json"
     captions_path = root / "captions" / name
     metrics_path = root / "metrics" / name

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from changecap_jax import cli, compile_cache, experiment, models
 from changecap_jax.data import schema, streams
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
-from changecap_jax.io import checkpoints, run_config, workdir_lock
+from changecap_jax.io import checkpoints, paths, run_config, workdir_lock
 from changecap_jax.io.jsonio import read_json, staging_dir, write_json_atomic
 from changecap_jax.models import contract
 from changecap_jax.models.base import conditioning_shapes
@@ -66,7 +67,7 @@ def library_versions() -> dict[str, str]:
     return {"jax": jax.__version__, "flax": flax.__version__, "numpy": np.__version__}
 
 
-def _check_trained_workdir(workdir: Path) -> None:
+def _check_trained_workdir(workdir: paths.AnyPath) -> None:
     """Errors naming what is missing when ``workdir`` holds no training run."""
     if not workdir.is_dir():
         raise ExportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
@@ -90,7 +91,7 @@ def _check_trained_workdir(workdir: Path) -> None:
 class ExportedModel:
     """An exported model, loaded: build the Flax module with :meth:`module`."""
 
-    directory: Path
+    directory: paths.AnyPath
     config: ml_collections.ConfigDict
     params: Any
     vocab: Vocabulary
@@ -165,7 +166,7 @@ def check_parameters(params: Any, expected: dict[str, tuple], where: str) -> Non
 # ---------------------------------------------------------------------------------------------
 
 
-def _metrics_at(workdir: Path, step: int) -> dict[str, Any]:
+def _metrics_at(workdir: paths.AnyPath, step: int) -> dict[str, Any]:
     metrics = {}
     for path in sorted((workdir / "metrics").glob(f"*_{step}.json")):
         split = path.stem[: -len(f"_{step}")]
@@ -175,10 +176,10 @@ def _metrics_at(workdir: Path, step: int) -> dict[str, Any]:
 
 def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
                  config: ml_collections.ConfigDict | None = None,
-                 weights: str | None = None) -> Path:
+                 weights: str | None = None) -> paths.AnyPath:
     """Writes the export directory ``out`` from a workdir's checkpoint (see the module
     docstring); atomic: a temporary sibling directory renamed at the end."""
-    workdir, out = Path(workdir), Path(out)
+    workdir, out = paths.path(workdir), paths.path(out)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty; choose a new --out directory")
     _check_trained_workdir(workdir)  # before the dataset is opened (or built)
@@ -203,7 +204,7 @@ def export_model(workdir: str | os.PathLike, out: str | os.PathLike, *, step: in
     return out
 
 
-def _restore_params(workdir: Path, exp: experiment.Experiment,
+def _restore_params(workdir: paths.AnyPath, exp: experiment.Experiment,
                     step: int | None) -> tuple[int, Any]:
     """(step, host parameters) of checkpoint ``step``, or of the best intact one: best val
     CIDEr first, then the unscored ones latest first (``checkpoints.best_first_steps``)."""
@@ -223,9 +224,19 @@ def _restore_params(workdir: Path, exp: experiment.Experiment,
     return step, jax.device_get(params)
 
 
-def _write_export(out: Path, params: Any, vocab: Vocabulary,
+def _write_export(out: paths.AnyPath, params: Any, vocab: Vocabulary,
                   description: dict[str, Any]) -> None:
-    """The export directory's files, written into a temporary sibling renamed to ``out``."""
+    """The export directory's files, written into a temporary sibling renamed to ``out``; in a
+    bucket, which has no folder rename, written locally and uploaded, model.json last (what
+    :func:`load_exported` checks first)."""
+    if paths.is_remote(out):
+        local = Path(tempfile.mkdtemp(prefix="changecap_export_"))
+        try:
+            _write_export(local / out.name, params, vocab, description)
+            paths.upload(local / out.name, out, "the exported model", last=(MODEL_FILE,))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(out.parent, out.name)
     try:
@@ -247,8 +258,9 @@ def _write_export(out: Path, params: Any, vocab: Vocabulary,
 
 
 def load_exported(directory: str | os.PathLike) -> ExportedModel:
-    """Reads and checks an export directory (see the module docstring)."""
-    directory = Path(directory)
+    """Reads and checks an export directory (see the module docstring); local or in a
+    bucket."""
+    directory = paths.path(directory)
     if not directory.is_dir():
         raise ExportError(f"{directory} is not a directory (an exported model is a directory "
                           f"made by python -m changecap_jax export)")

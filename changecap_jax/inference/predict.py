@@ -44,6 +44,7 @@ from changecap_jax.errors import UserError
 from changecap_jax.features import grid
 from changecap_jax.inference import decoding, explain
 from changecap_jax.inference.export import ExportedModel, load_exported
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.models.base import conditioning_shapes, decoding_rules, extra_tokens
 
@@ -60,37 +61,38 @@ class PredictError(UserError, ValueError):
 def check_image(path: str | os.PathLike) -> None:
     """Raises :func:`read_image`'s error for a missing or non-image file, from its header only
     (cheap: predict checks every input before it loads the model)."""
-    path = Path(path)
+    path = paths.path(path)
     if not path.is_file():
         raise PredictError(f"image {path} does not exist")
     try:
-        with Image.open(path):
+        with path.open("rb") as fh, Image.open(fh):
             pass
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise PredictError(f"cannot read image {path}: {e}") from e
 
 
 def read_image(path: str | os.PathLike) -> np.ndarray:
-    """Any PIL-readable image file -> uint8 (h, w, 3) RGB; errors name the file."""
-    path = Path(path)
+    """Any PIL-readable image file (local or in a bucket) -> uint8 (h, w, 3) RGB; errors name
+    the file."""
+    path = paths.path(path)
     if not path.is_file():
         raise PredictError(f"image {path} does not exist")
     try:
-        with Image.open(path) as im:
+        with path.open("rb") as fh, Image.open(fh) as im:
             im.seek(0)
             return np.asarray(im.convert("RGB"))
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise PredictError(f"cannot read image {path}: {e}") from e
 
 
-def size_mismatch(before: Path, after: Path) -> str | None:
+def size_mismatch(before: paths.AnyPath, after: paths.AnyPath) -> str | None:
     """A warning when the two images of a pair differ in size, else None. Each image is
     resized to the model's grid on its own, so the grid cells of the two then cover different
     parts of the scene (the datasets' pairs are always the same size)."""
     sizes = []
     for path in (before, after):
         try:
-            with Image.open(path) as im:
+            with paths.path(path).open("rb") as fh, Image.open(fh) as im:
                 sizes.append(im.size)
         except (UnidentifiedImageError, OSError):
             return None  # read_image reports the file when it is read
@@ -102,9 +104,10 @@ def size_mismatch(before: Path, after: Path) -> str | None:
             "parts of the scene: crop or resize them to one size for a faithful comparison")
 
 
-def read_pairs(path: str | os.PathLike) -> list[tuple[Path, Path]]:
-    """``before,after`` rows of a CSV (optional header); relative paths from its folder."""
-    path = Path(path)
+def read_pairs(path: str | os.PathLike) -> list[tuple[paths.AnyPath, paths.AnyPath]]:
+    """``before,after`` rows of a CSV (optional header); relative paths from its folder. The
+    file and the images may be local or in a bucket."""
+    path = paths.path(path)
     if not path.is_file():
         raise PredictError(f"pairs file {path} does not exist")
     pairs = []
@@ -118,8 +121,8 @@ def read_pairs(path: str | os.PathLike) -> list[tuple[Path, Path]]:
                                    f"got {len(cells)}: {row!r}")
             if i == 0 and [c.lower() for c in cells] == ["before", "after"]:
                 continue
-            pairs.append(tuple(p if p.is_absolute() else path.parent / p
-                               for p in map(Path, cells)))
+            pairs.append(tuple(paths.path(c) if paths.is_remote(c) or Path(c).is_absolute()
+                               else path.parent / c for c in cells))
     if not pairs:
         raise PredictError(f"pairs file {path} lists no pairs")
     return pairs
@@ -257,12 +260,13 @@ def render_pair(before_img: np.ndarray, after_img: np.ndarray, prediction: Predi
     return canvas
 
 
-def write_prediction(out_dir: Path, name: str, prediction: Prediction,
+def write_prediction(out_dir: paths.AnyPath, name: str, prediction: Prediction,
                      before_img: np.ndarray, after_img: np.ndarray,
-                     settings: dict[str, Any]) -> tuple[Path, Path]:
+                     settings: dict[str, Any]) -> tuple[paths.AnyPath, paths.AnyPath]:
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / f"{name}.png"
-    render_pair(before_img, after_img, prediction).save(png)
+    canvas = render_pair(before_img, after_img, prediction)
+    paths.write_atomic(png, lambda fh: canvas.save(fh, format="PNG"), binary=True)
     record = {
         "before": prediction.before, "after": prediction.after, "caption": prediction.caption,
         "tokens": [{"token": t, "log_prob": lp}
@@ -291,12 +295,14 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
     extractor = FeatureExtractor(exported.extractor, weights, device)
     predictor = Predictor(exported, beam_size=beam_size, length_penalty=length_penalty)
     names = list(names) if names is not None else [f"pair_{i:04d}" for i in range(len(pairs))]
-    settings = {"model": str(Path(model_dir).resolve()), "step": exported.step,
+    model_name = (os.fspath(model_dir) if paths.is_remote(model_dir)
+                  else str(Path(model_dir).resolve()))
+    settings = {"model": model_name, "step": exported.step,
                 "beam_size": beam_size, "length_penalty": length_penalty}
     results: list[Prediction] = []
     bar = console.Progress(total=len(pairs), desc="predict", disable=not progress or len(pairs) < 2)
     for before, after in pairs:
-        warning = size_mismatch(Path(before), Path(after))
+        warning = size_mismatch(paths.path(before), paths.path(after))
         if warning:
             logging.warning("%s", warning)
     for start in range(0, len(pairs), batch_size):
@@ -309,7 +315,8 @@ def predict_pairs(model_dir: str | os.PathLike, pairs: Sequence[tuple[Path, Path
             feats_a = np.concatenate([feats_a, np.repeat(feats_a[-1:], pad, axis=0)])
         preds = predictor.predict(feats_b, feats_a, [(str(b), str(a)) for b, a in chunk])
         for (b, a), name, pred in zip(chunk, names[start:], preds, strict=False):
-            write_prediction(Path(out_dir), name, pred, read_image(b), read_image(a), settings)
+            write_prediction(paths.path(out_dir), name, pred, read_image(b), read_image(a),
+                             settings)
             results.append(pred)
         bar.update(len(chunk))
     bar.close()
@@ -325,7 +332,7 @@ def main(argv: list[str]) -> None:
     if f.pairs:
         pairs, names = read_pairs(f.pairs), None
     elif f.before and f.after:
-        pairs, names = [(Path(f.before), Path(f.after))], [f.name or "pair_0000"]
+        pairs, names = [(paths.path(f.before), paths.path(f.after))], [f.name or "pair_0000"]
     else:
         raise app.UsageError("give --before=IMG --after=IMG, or --pairs=FILE.csv")
     results = predict_pairs(f.model, pairs, f.out, names=names, beam_size=f.beam_size,

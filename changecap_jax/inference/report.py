@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,7 +36,7 @@ from changecap_jax.errors import UserError
 from changecap_jax.evaluators import captions
 from changecap_jax.inference import explain, export
 from changecap_jax.inference.report_html import GalleryEntry, write_report
-from changecap_jax.io import checkpoints, run_config
+from changecap_jax.io import checkpoints, paths, run_config
 from changecap_jax.io.jsonio import read_json
 from changecap_jax.trainers import loop
 
@@ -48,7 +47,7 @@ class ReportError(UserError, ValueError):
     """A workdir that lacks what the report needs (the message says what)."""
 
 
-def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+def read_curves(path: paths.AnyPath) -> dict[str, list[tuple[int, float]]]:
     """scalars.jsonl -> name -> [(step, value)], the last value logged for a step winning
     (a resumed run logs some steps again)."""
     curves: dict[str, dict[int, float]] = {}
@@ -67,7 +66,7 @@ def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
     return {name: sorted(points.items()) for name, points in sorted(curves.items())}
 
 
-def latest_evaluated_step(workdir: Path, split: str) -> int:
+def latest_evaluated_step(workdir: paths.AnyPath, split: str) -> int:
     steps = [int(m.group(1)) for p in (workdir / "captions").glob(f"{split}_*.json")
              if (m := re.fullmatch(rf"{re.escape(split)}_(\d+)\.json", p.name))]
     if not steps:
@@ -122,20 +121,21 @@ def heatmap_images(exp: experiment.Experiment, params: Any,
                                       conditioning)
         for j, i in enumerate(chunk):
             record, after_key, _ = pairs[i]
-            paths = image_files.image_paths(dataset, record)
+            files = image_files.image_paths(dataset, record)
             images = {}
             for name, key, heat in (("before", "before", maps.before[j]),
                                     ("after", after_key, maps.after[j])):
-                with Image.open(paths[key]) as im:
+                with Image.open(files[key]) as im:
                     images[name] = _thumbnail(explain.overlay(np.asarray(im.convert("RGB")), heat))
             out[i] = images
     return out
 
 
 def build_report(workdir: str | os.PathLike, split: str = "test", step: int | None = None,
-                 out: str | os.PathLike | None = None, max_gallery: int = 500) -> Path:
+                 out: str | os.PathLike | None = None,
+                 max_gallery: int = 500) -> paths.AnyPath:
     """Writes the page of ``split``'s evaluation at ``step`` (see the module docstring)."""
-    workdir = Path(workdir)
+    workdir = paths.path(workdir)
     if not workdir.is_dir():
         raise ReportError(f"workdir {workdir} does not exist; pass the --workdir of a training "
                           "run (python -m changecap_jax.main --workdir=...)")
@@ -168,22 +168,25 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
                             change_type=r.change_type, cider=cider[r.image_id], images=im,
                             extra=x)
                for r, im, x in zip(records, images, extras, strict=True)]
-    notes = [f"workdir {workdir.resolve()}", f"split {split}, step {step}",
+    where = workdir if paths.is_remote(workdir) else workdir.resolve()
+    notes = [f"workdir {where}", f"split {split}, step {step}",
              f"model {config.model.name}, dataset {exp.dataset.name}",
              "heatmaps: decoder cross-attention from the generated words to the grid, averaged "
              "over heads, layers and words (changecap_jax.inference.explain)"]
-    out = Path(out) if out else workdir / f"report_{split}_{step}.html"
+    out = paths.path(out) if out else workdir / f"report_{split}_{step}.html"
     write_report(out, title=f"{config.model.name} on {exp.dataset.name} / {split} @ {step}",
                  metrics=metrics, curves=read_curves(workdir / loop.SCALARS_FILE),
                  gallery=gallery, notes=notes, max_gallery=max_gallery)
-    os.chmod(out, 0o644)  # a page to share (the atomic write creates it 0600)
+    if not paths.is_remote(out):
+        os.chmod(out, 0o644)  # a page to share (the atomic write creates it 0600)
     return out
 
 
-def checkpoint_params(workdir: Path, exp: experiment.Experiment, step: int) -> Any | None:
+def checkpoint_params(workdir: paths.AnyPath, exp: experiment.Experiment,
+                      step: int) -> Any | None:
     """The host parameters of checkpoint ``step``, or None (with a warning) when it is not
     kept or is damaged: the captions are scored, so the page is made without heatmaps."""
-    directory = (workdir / checkpoints.CHECKPOINTS_DIR).absolute()
+    directory = workdir / checkpoints.CHECKPOINTS_DIR
     if step not in checkpoints.steps(directory):
         logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
                         directory)
@@ -198,7 +201,7 @@ def checkpoint_params(workdir: Path, exp: experiment.Experiment, step: int) -> A
 
 
 def gallery_pairs(exp: experiment.Experiment, split: str, entries: list[dict[str, Any]],
-                  captions_path: Path) -> list[tuple[dict, str, str]]:
+                  captions_path: paths.AnyPath) -> list[tuple[dict, str, str]]:
     """(record, after key, caption) of each captions-file entry; an id ending in "_n" is the
     distractor pair of its record."""
     source = exp.dataset.split(split)

@@ -37,7 +37,6 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from changecap_jax.evaluators.captions import (
@@ -47,6 +46,7 @@ from changecap_jax.evaluators.captions import (
     ROW_ORDER,
     TABLE_COLUMNS,
 )
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import atomic_write
 
 __all__ = ["SORT_KEYS", "GalleryEntry", "render_report", "write_report"]
@@ -882,7 +882,7 @@ def write_report(
     gallery: Sequence[GalleryEntry],
     notes: Sequence[str] | None = None,
     max_gallery: int | None = 500,
-) -> Path:
+) -> paths.AnyPath:
     """Render the report (see :func:`render_report`) and write it atomically to ``path``.
 
     The page is written to a temp file in the same directory and moved into place with
@@ -892,6 +892,6 @@ def write_report(
         title=title, metrics=metrics, curves=curves, gallery=gallery, notes=notes,
         max_gallery=max_gallery,
     )
-    path = Path(path)
+    path = paths.path(path)
     atomic_write(path, lambda fh: fh.write(page))
     return path

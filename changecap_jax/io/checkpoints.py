@@ -40,10 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
 from changecap_jax.errors import UserError
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import read_json
 
 METADATA_FILE = "_CHECKPOINT_METADATA"  # a step's: the items it holds, its metrics
@@ -52,6 +54,7 @@ DAMAGED_SUFFIX = ".damaged"
 CHECKPOINTS_DIR = "checkpoints"  # a workdir's orbax folder
 # TensorStore's status codes for a file that is truncated, corrupt or gone (its errors reach
 # us as ValueError("CODE: ...")); a wrong target shape or dtype raises other errors.
+COMMIT_FILE = "commit_success.txt"  # orbax's mark of a complete save in a bucket
 TENSORSTORE_DAMAGE = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION): ")
 
 
@@ -79,7 +82,11 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policy, enable_async_checkpointing=False, create=True,
         cleanup_tmp_directories=writer)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options,
+    # orbax takes an epath.Path: a bucket folder as it is, a local one made absolute.
+    directory = paths.path(directory)
+    if not paths.is_remote(directory):
+        directory = directory.absolute()
+    return ocp.CheckpointManager(epath.Path(directory), options=options,
                                  item_names=item_names)
 
 
@@ -91,10 +98,15 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
 def steps(directory: str | os.PathLike) -> list[int]:
     """The step numbers in ``directory`` (e.g. ``<workdir>/checkpoints``), ascending; [] when
     it does not exist."""
-    directory = Path(directory)
+    directory = paths.path(directory)
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    found = [p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()]
+    if paths.is_remote(directory):
+        # A bucket has no folder rename: orbax saves into the step's folder and marks it
+        # complete with a last file; a killed save leaves the folder without it.
+        found = [p for p in found if (p / COMMIT_FILE).exists()]
+    return sorted(int(p.name) for p in found)
 
 
 def has_steps(directory: str | os.PathLike) -> bool:
@@ -111,7 +123,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def saved_items(step_dir: Path) -> dict[str, str] | None:
+def saved_items(step_dir: paths.AnyPath) -> dict[str, str] | None:
     """The items a step holds (name -> orbax handler type), or None if its metadata is
     unreadable."""
     try:
@@ -126,7 +138,7 @@ def _grain_state_file() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
-def data_state_file(item_dir: Path) -> str:
+def data_state_file(item_dir: paths.AnyPath) -> str:
     """The data-stream state file this process restores from ``item_dir``: its own, or, for a
     step saved by another number of processes, the first process's (the training streams'
     position is global, docs/training.md "Multi-host"; ``process_0-of-N.json``)."""
@@ -137,7 +149,7 @@ def data_state_file(item_dir: Path) -> str:
     return others[0] if others else own
 
 
-def files_damage(step_dir: Path) -> str | None:
+def files_damage(step_dir: paths.AnyPath) -> str | None:
     """A short reason why the step's metadata shows it damaged or partial, else None. Cheap:
     reads the metadata files only, not the arrays."""
     if not (step_dir / METADATA_FILE).exists():
@@ -232,7 +244,7 @@ def restore(manager: ocp.CheckpointManager,
     :class:`CheckpointError` lists them all when none is intact. ``move_damaged_aside``
     renames the passed steps to ``<step>.damaged`` (see the module docstring).
     """
-    directory = Path(manager.directory)
+    directory = paths.path(manager.directory)
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
@@ -262,7 +274,7 @@ def _try(manager: ocp.CheckpointManager, step: int,
          args_for: Callable[[int, dict[str, str]], dict[str, Any]]) -> tuple[Any, str | None]:
     """(restored items, None), or (None, why the step is damaged); the same answer on every
     process (one process's damaged file makes the step damaged for all)."""
-    step_dir = Path(manager.directory) / str(step)
+    step_dir = paths.path(manager.directory) / str(step)
     reason = files_damage(step_dir)
     restored = None
     if reason is None:
@@ -298,7 +310,7 @@ def _everywhere_intact(intact: bool) -> bool:
 def _report(manager: ocp.CheckpointManager, damaged: Iterable[tuple[int, str]], restored: int,
             move_aside: bool) -> None:
     """One warning line per damaged step passed; with ``move_aside``, renames it first."""
-    directory = Path(manager.directory)
+    directory = paths.path(manager.directory)
     damaged = list(damaged)
     moved: dict[int, str] = {}
     if move_aside and damaged:
@@ -316,7 +328,7 @@ def _report(manager: ocp.CheckpointManager, damaged: Iterable[tuple[int, str]], 
                         s, directory, reason, kept, restored)
 
 
-def _free_name(directory: Path, name: str) -> str:
+def _free_name(directory: paths.AnyPath, name: str) -> str:
     """``name``, or ``name.1``, ``name.2``... whichever does not exist yet in ``directory``."""
     candidate, k = name, 0
     while (directory / candidate).exists():
@@ -347,13 +359,13 @@ def restore_train_state(manager: ocp.CheckpointManager, state: Any, streams: dic
     ``order``), passing damaged ones (``checkpoints.restore``). A stream the checkpoint lacks
     (enabled since, or converted from PyTorch without the dataset at hand) starts fresh."""
 
-    other_layout: dict[str, Path] = {}  # streams saved by another number of processes
+    other_layout: dict[str, paths.AnyPath] = {}  # streams saved by another number of processes
 
     def args_for(step: int, items: dict[str, str]) -> dict[str, Any]:
         args = {"state": ocp.args.StandardRestore(state)}
         other_layout.clear()
         for name, iterator in streams.items():
-            item_dir = Path(manager.directory) / str(step) / name
+            item_dir = paths.path(manager.directory) / str(step) / name
             if name not in items:
                 logging.info("checkpoint %d has no %s stream: it starts fresh", step, name)
             elif data_state_file(item_dir) == _grain_state_file():
@@ -379,10 +391,10 @@ def init_params_from(params: Any, workdir: str | os.PathLike,
     from pretraining, §5.4): every parameter whose path exists there with the same shape is
     copied, except paths containing one of ``exclude`` (the official code skips "pooler");
     the others keep their fresh initialisation. A shared path with another shape is an error."""
-    with make_checkpoint_manager(Path(workdir) / "checkpoints", 1) as manager:
+    with make_checkpoint_manager(paths.path(workdir) / "checkpoints", 1) as manager:
         if manager.latest_step() is None:
             raise FileNotFoundError(
-                f"config.init_from: no checkpoint in {Path(workdir)}/checkpoints")
+                f"config.init_from: no checkpoint in {paths.path(workdir) / 'checkpoints'}")
         step, source = restore(
             manager, lambda step, items: {"state": ocp.args.StandardRestore()})
     flat_src = flax.traverse_util.flatten_dict(source["state"]["params"], sep="/")
@@ -414,7 +426,7 @@ def best_first_steps(workdir: str | os.PathLike) -> list[int]:
     """A workdir's checkpoints, best val CIDEr (``metrics/val_<step>.json``) first, then the
     unscored ones latest first: where "the best" checkpoint is looked for, passing damaged
     ones."""
-    workdir = Path(workdir)
+    workdir = paths.path(workdir)
     scored, unscored = [], []
     for step in steps(workdir / CHECKPOINTS_DIR):
         path = workdir / "metrics" / f"val_{step}.json"
@@ -429,7 +441,7 @@ def _restore_item(workdir: str | os.PathLike, state_args: Any,
                   step: int | str | None) -> tuple[int, Any]:
     """(step, the "state" item) of ``step``: a number, None (the latest intact) or "best"
     (the first intact of :func:`best_first_steps`)."""
-    directory = Path(workdir) / CHECKPOINTS_DIR
+    directory = paths.path(workdir) / CHECKPOINTS_DIR
     if not has_steps(directory):  # before the manager, which would create the folder
         raise CheckpointError(f"no checkpoint in {directory}")
     if step == "best":

@@ -1,8 +1,9 @@
 """Files written atomically, and JSON read with errors that name the file.
 
-Temp files and folders are made private by ``tempfile`` (0600 / 0700); the writers here give
-them the mode a plain ``open`` / ``mkdir`` would (0666 / 0777 less the umask) before they
-become the final file, so results on a shared machine are readable as the user's umask says.
+Paths may be local or in a bucket (``io/paths.py``). Temp files and folders are made private
+by ``tempfile`` (0600 / 0700); the writers here give them the mode a plain ``open`` /
+``mkdir`` would (0666 / 0777 less the umask) before they become the final file, so results on
+a shared machine are readable as the user's umask says.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from changecap_jax.errors import UserError
+from changecap_jax.io import paths
+from changecap_jax.io.paths import current_umask
 
 
 class UnreadableJSONError(UserError, ValueError):
@@ -22,16 +25,10 @@ class UnreadableJSONError(UserError, ValueError):
     parse: the message names the file and where the parse failed."""
 
 
-def current_umask() -> int:
-    """The process's umask (read by setting it and restoring it at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def staging_dir(parent: str | os.PathLike, name: str) -> Path:
     """A fresh hidden folder ``parent/.name.XXXX`` to fill and then ``os.replace`` onto
-    ``parent/name``, with the mode ``mkdir`` would give it (not mkdtemp's 0700)."""
+    ``parent/name``, with the mode ``mkdir`` would give it (not mkdtemp's 0700). Local disk
+    only: a bucket has no folder rename (see ``inference/export.py`` for a bucket output)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
     os.chmod(tmp, 0o777 & ~current_umask())
     return tmp
@@ -40,25 +37,10 @@ def staging_dir(parent: str | os.PathLike, name: str) -> Path:
 def atomic_write(
     path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False
 ) -> None:
-    """Calls ``write(file)`` on a temp file in the same directory, then ``os.replace``: a
-    crash never leaves a half-written ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        mode = {"mode": "wb"} if binary else {"mode": "w", "encoding": "utf-8"}
-        with os.fdopen(fd, **mode) as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.remove(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
+    """Calls ``write(file)`` so that a crash never leaves a half-written ``path``: a temp file
+    of the same folder then ``os.replace`` on disk, one upload in a bucket
+    (``paths.write_atomic``)."""
+    paths.write_atomic(path, write, binary=binary)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = None) -> None:
@@ -68,7 +50,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = No
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Reads a JSON file; a missing file or bad JSON raises naming ``what`` and the path."""
-    path = Path(path)
+    path = paths.path(path)
     if not path.exists():
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:

@@ -1,4 +1,5 @@
-"""Scalars to TensorBoard (tensorboardX) and the log, from process 0 only.
+"""Scalars to TensorBoard (tensorboardX) and the log, from process 0 only; the logdir and
+the scalars file may be in a bucket (``io/paths.py``).
 
 clu's metric writers need TensorFlow at import time, which the core install avoids; this is
 the small part of them the trainer uses.
@@ -10,13 +11,19 @@ import json
 import logging
 import math
 import os
+import pathlib
+import shutil
+import tempfile
+import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import atomic_write
+
+SYNC_S = 30.0  # a bucket logdir: how often the local event files are uploaded
 
 
 class MetricWriter:
@@ -26,11 +33,19 @@ class MetricWriter:
         (the report's learning curves read it; no TensorBoard reader needed)."""
         self.enabled = enabled
         self._writer = None
-        self._scalars_file = Path(scalars_file) if scalars_file else None
+        self._remote_logdir = None
+        self._scalars_file = paths.path(scalars_file) if scalars_file else None
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(str(logdir), flush_secs=30)
+            # A bucket logdir: events are written to a local folder and its files uploaded
+            # every SYNC_S and at close (tensorboardX's own gs:// writer needs a second GCS
+            # client and flushes again from __del__ at exit, after the bucket may be gone).
+            self._remote_logdir = paths.path(logdir) if paths.is_remote(logdir) else None
+            local = (tempfile.mkdtemp(prefix="changecap_tensorboard_")
+                     if self._remote_logdir is not None else os.fspath(logdir))
+            self._writer = SummaryWriter(local, flush_secs=30)
+            self._synced = time.monotonic()
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -41,9 +56,18 @@ class MetricWriter:
         if self._scalars_file is not None:
             line = json.dumps({"step": int(step), **{k: v if math.isfinite(v) else None
                                                      for k, v in values.items()}})
-            with self._scalars_file.open("a", encoding="utf-8") as fh:
-                fh.write(line + "\n")
+            paths.append_text(self._scalars_file, line + "\n")
         logging.info("[%d] %s", step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+        if self._remote_logdir is not None and time.monotonic() - self._synced > SYNC_S:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Uploads the local event files to the bucket logdir (each whole: they are small)."""
+        self._writer.flush()
+        local = pathlib.Path(self._writer.logdir)
+        for p in local.iterdir():
+            (self._remote_logdir / p.name).write_bytes(p.read_bytes())
+        self._synced = time.monotonic()
 
     def truncate_after(self, step: int) -> int:
         """Drops the scalars-file lines logged after ``step`` (a resume replays those steps,
@@ -59,6 +83,9 @@ class MetricWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            if self._remote_logdir is not None:
+                self._sync()
+                shutil.rmtree(self._writer.logdir, ignore_errors=True)
 
 
 def _line_step(line: str) -> float:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import ml_collections
 
 from changecap_jax.errors import UserError
+from changecap_jax.io import paths
 from changecap_jax.io.jsonio import read_json, write_json_atomic
 
 CONFIG_FILE = "config.json"  # in a workdir: the run's config, written by the trainer
@@ -24,8 +24,8 @@ class RunConfigError(UserError, FileNotFoundError):
 def save_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
     """Writes a run's config as ``<workdir>/config.json`` (process 0 only)."""
     if jax.process_index() == 0:
-        write_json_atomic(Path(workdir) / CONFIG_FILE, json.loads(config.to_json_best_effort()),
-                          indent=1)
+        write_json_atomic(paths.path(workdir) / CONFIG_FILE,
+                          json.loads(config.to_json_best_effort()), indent=1)
 
 
 def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
@@ -42,7 +42,7 @@ def config_from_json(data: dict[str, Any]) -> ml_collections.ConfigDict:
 
 
 def load_workdir_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
-    path = Path(workdir) / CONFIG_FILE
+    path = paths.path(workdir) / CONFIG_FILE
     if not path.exists():
         raise RunConfigError(f"{path} does not exist: this workdir predates config.json; pass "
                           f"the run's config with --config=configs/MODEL.py[:PRESET]")

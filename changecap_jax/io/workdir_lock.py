@@ -6,11 +6,14 @@ while the other run deletes it) and interleave its metrics. ``python -m changeca
 with one line naming the holder (host, pid, start time, command), and ``export`` refuses a
 workdir whose run is still writing it.
 
-The lock is a JSON file created atomically (written aside, then hard-linked into place, which
-fails if the name exists). A lock whose holder is gone is *stale* and is taken over with a
-warning: on the holder's host, its process no longer exists (or its pid now belongs to a
-process started at another time); from another host, the holder has not refreshed the lock's
-modification time for ``STALE_AFTER_S`` (the holder refreshes it every ``HEARTBEAT_S``).
+The lock is a JSON file created atomically and only if absent (``paths.create_exclusive``: on
+disk written aside, then hard-linked into place, which fails if the name exists; in a bucket
+one upload with the precondition that no object has the name). A lock whose holder is gone
+is *stale* and is taken over with a warning: on the holder's host, its process no longer
+exists (or its pid now belongs to a process started at another time); from another host, the
+holder has not refreshed the lock's modification time for ``STALE_AFTER_S`` (the holder
+refreshes it every ``HEARTBEAT_S``). A workdir in a bucket is seen from many hosts: the same
+rules hold, its object's upload time being the modification time.
 
 Multi-host runs: process 0 holds the lock and tells the others whether it got it.
 """
@@ -30,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from changecap_jax.errors import WorkdirBusyError
+from changecap_jax.io import paths
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 60.0  # how often the holder refreshes the lock's modification time
@@ -70,13 +74,13 @@ def _me(command: str) -> Holder:
 def read_holder(workdir: str | os.PathLike) -> Holder | None:
     """The holder named in ``workdir``'s lock, or None when there is no readable lock."""
     try:
-        data = json.loads((Path(workdir) / LOCK_FILE).read_text())
+        data = json.loads((paths.path(workdir) / LOCK_FILE).read_text())
         return Holder(**data)
     except (OSError, ValueError, TypeError):
         return None
 
 
-def is_stale(holder: Holder, lock: Path, now: float | None = None) -> bool:
+def is_stale(holder: Holder, lock: paths.AnyPath, now: float | None = None) -> bool:
     """Whether ``holder`` is gone (module docstring)."""
     if holder.host == socket.gethostname():
         try:
@@ -87,7 +91,7 @@ def is_stale(holder: Holder, lock: Path, now: float | None = None) -> bool:
             return False
         return bool(holder.process_start) and _process_start(holder.pid) != holder.process_start
     try:
-        age = (now if now is not None else time.time()) - lock.stat().st_mtime
+        age = (now if now is not None else time.time()) - paths.mtime(lock)
     except FileNotFoundError:
         return True
     return age > STALE_AFTER_S
@@ -96,28 +100,20 @@ def is_stale(holder: Holder, lock: Path, now: float | None = None) -> bool:
 def live_holder(workdir: str | os.PathLike) -> Holder | None:
     """The holder of ``workdir``'s lock if it is alive, else None."""
     holder = read_holder(workdir)
-    if holder is None or is_stale(holder, Path(workdir) / LOCK_FILE):
+    if holder is None or is_stale(holder, paths.path(workdir) / LOCK_FILE):
         return None
     return holder
 
 
-def _try_create(lock: Path, me: Holder) -> bool:
+def _try_create(lock: paths.AnyPath, me: Holder) -> bool:
     """Creates ``lock`` holding ``me``, atomically; False if it exists."""
-    tmp = lock.with_name(f".{lock.name}.{me.pid}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(me)))
-    try:
-        os.link(tmp, lock)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
+    return paths.create_exclusive(lock, json.dumps(dataclasses.asdict(me)).encode())
 
 
 def acquire(workdir: str | os.PathLike, command: str) -> Holder:
     """Takes ``workdir``'s lock for this process (creating the workdir); raises
     :class:`WorkdirBusyError` naming the holder when a live run holds it."""
-    workdir = Path(workdir)
+    workdir = paths.path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     lock = workdir / LOCK_FILE
     me = _me(command)
@@ -126,7 +122,7 @@ def acquire(workdir: str | os.PathLike, command: str) -> Holder:
             return me
         holder = read_holder(workdir)
         if holder is None:
-            # Unreadable: being written (hard links appear whole, so rarely), or damaged.
+            # Unreadable: being written (links and uploads appear whole, so rarely), or damaged.
             time.sleep(0.2)
             if read_holder(workdir) is None and lock.exists():
                 logging.warning("workdir lock %s is unreadable; taking it over", lock)
@@ -147,13 +143,17 @@ def acquire(workdir: str | os.PathLike, command: str) -> Holder:
 def release(workdir: str | os.PathLike, me: Holder) -> None:
     """Removes ``workdir``'s lock if ``me`` still holds it."""
     if read_holder(workdir) == me:
-        (Path(workdir) / LOCK_FILE).unlink(missing_ok=True)
+        (paths.path(workdir) / LOCK_FILE).unlink(missing_ok=True)
 
 
-def _heartbeat(lock: Path, stop: threading.Event) -> None:
+def _heartbeat(workdir: str | os.PathLike, me: Holder, stop: threading.Event) -> None:
+    lock = paths.path(workdir) / LOCK_FILE
     while not stop.wait(HEARTBEAT_S):
+        # In a bucket a refresh uploads the lock again: only while it is still ours (a run
+        # that took it over as stale keeps its own).
         with contextlib.suppress(OSError):
-            os.utime(lock)
+            if not paths.is_remote(lock) or read_holder(workdir) == me:
+                paths.touch(lock)
 
 
 @contextlib.contextmanager
@@ -182,7 +182,7 @@ def hold(workdir: str | os.PathLike, command: str | None = None) -> Iterator[Non
         raise error
     stop = threading.Event()
     if me is not None:
-        threading.Thread(target=_heartbeat, args=(Path(workdir) / LOCK_FILE, stop),
+        threading.Thread(target=_heartbeat, args=(workdir, me, stop),
                          daemon=True, name="workdir-lock-heartbeat").start()
     try:
         yield

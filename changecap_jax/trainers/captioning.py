@@ -15,7 +15,6 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +31,7 @@ from changecap_jax.data.streams import STREAM_INPUTS
 from changecap_jax.evaluators import captions, common, idc_protocol
 from changecap_jax.evaluators.results import write_results
 from changecap_jax.inference import decoding, export
-from changecap_jax.io import checkpoints
+from changecap_jax.io import checkpoints, paths
 from changecap_jax.io.metric_writer import MetricWriter
 from changecap_jax.models import contract, precision
 from changecap_jax.models.base import INPUTS_FOLD
@@ -156,7 +155,7 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike,
                  mesh: Any | None = None):
         self.config = config
-        self.workdir = Path(workdir)
+        self.workdir = paths.path(workdir)
         self.experiment = experiment.build(config, mesh=mesh)
         self.mesh = self.experiment.mesh
         self.is_main = jax.process_index() == 0
@@ -429,7 +428,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str | os.Pat
     trainer = Trainer(config, workdir)
     with trainer.checkpoint_manager() as manager:
         if manager.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+            raise FileNotFoundError(f"no checkpoint in {paths.path(workdir) / 'checkpoints'}")
         state = trainer.restore(manager, trainer.init_state(), step=step)
     results = {s: trainer.evaluate(state, s, int(state.step)) for s in config.final_eval_splits}
     if trainer.is_main:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -29,7 +29,8 @@ import orbax.checkpoint as ocp
 from changecap_jax import console
 from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError
-from changecap_jax.io import checkpoints, run_config
+from changecap_jax.io import checkpoints, paths, run_config
+from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.io.metric_writer import MetricWriter
 from changecap_jax.trainers.preemption import Preempted, PreemptionNotice
 from changecap_jax.trainers.update import NONFINITE_METRIC, TrainState
@@ -42,7 +43,7 @@ class Task(Protocol):
     """What :func:`run` calls on a task; ``history`` receives (step, scalars) per log."""
 
     config: ml_collections.ConfigDict
-    workdir: Path
+    workdir: paths.AnyPath
     is_main: bool
     history: list[tuple[int, dict[str, float]]]
     selection_metric: str
@@ -103,8 +104,8 @@ class EarlyStopping:
     its step and the count of evaluations since, so a resumed run continues the count.
     ``patience = 0`` disables it (the trainer then scores the last state)."""
 
-    def __init__(self, directory: Path, patience: int, metric: str = "CIDEr"):
-        self.directory, self.patience, self.metric = Path(directory), int(patience), metric
+    def __init__(self, directory: str | os.PathLike, patience: int, metric: str = "CIDEr"):
+        self.directory, self.patience, self.metric = paths.path(directory), int(patience), metric
         self.best, self.best_step, self.since = -math.inf, -1, 0
         record = self.directory / "record.json"
         if self.enabled and record.exists():
@@ -133,11 +134,9 @@ class EarlyStopping:
         else:
             self.since += 1
         if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / "record.json.tmp"
-            tmp.write_text(json.dumps({"metric": self.metric, "best": self.best,
-                                       "step": self.best_step, "since": self.since}))
-            tmp.replace(self.directory / "record.json")
+            write_json_atomic(self.directory / "record.json",
+                              {"metric": self.metric, "best": self.best,
+                               "step": self.best_step, "since": self.since})
         return self.since >= self.patience
 
     def restore(self, like: TrainState) -> TrainState:
