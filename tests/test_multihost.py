@@ -1,5 +1,6 @@
 """Multi-host jobs as they run on a slice, with four processes of two CPU devices each on this
-machine (``python -m changecap_jax.main --multihost``, gloo collectives), sharing one workdir:
+machine (``python -m changecap_jax.main --multihost``, gloo collectives), sharing one workdir
+(the lost-host job: workdir and data in a bucket of a local fake GCS server, as on a slice):
 
 * the losses equal one process with eight devices (the global batches are the same: each
   process reads its slice of each, ``data/pipeline.py``); only process 0 writes the scalars,
@@ -29,10 +30,12 @@ import time
 from pathlib import Path
 
 import pytest
+from gcs_helpers import BUCKET, fake_gcs
 from train_helpers import SMALL, tiny_config
 
 from changecap_jax import host_watch, parallel
 from changecap_jax.data import datasets
+from changecap_jax.io import paths
 from changecap_jax.trainers import captioning
 
 pytestmark = pytest.mark.slow
@@ -52,17 +55,21 @@ def get_config():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(config file, data dir, the 1-process x 8-device reference losses per step)."""
+    """(the config file's folder, data dir, the 1-process x 8-device reference losses)."""
     root = tmp_path_factory.mktemp("multihost")
     data_dir = str(root / "data")
     datasets.prepare("synthetic", data_dir, "moderate", SMALL)
-    config_file = root / "tiny_multihost.py"
-    config_file.write_text(CONFIG.format(tests=str(REPO / "tests"), data_dir=data_dir,
-                                         steps=STEPS, every=CHECKPOINT_EVERY))
     reference = root / "reference"
     trainer = captioning.Trainer(_config(data_dir), reference, mesh=parallel.make_mesh(8))
     trainer.train()
-    return config_file, data_dir, _losses(reference)
+    return root, data_dir, _losses(reference)
+
+
+def _config_file(folder: Path, data_dir: str) -> Path:
+    config_file = folder / "tiny_multihost.py"
+    config_file.write_text(CONFIG.format(tests=str(REPO / "tests"), data_dir=data_dir,
+                                         steps=STEPS, every=CHECKPOINT_EVERY))
+    return config_file
 
 
 def _config(data_dir: str):
@@ -71,8 +78,8 @@ def _config(data_dir: str):
                        spice="off")
 
 
-def _losses(workdir: Path) -> dict[int, float]:
-    lines = (workdir / "scalars.jsonl").read_text().splitlines()
+def _losses(workdir: paths.PathLike) -> dict[int, float]:
+    lines = (paths.path(workdir) / "scalars.jsonl").read_text().splitlines()
     steps = [s for s in map(json.loads, lines) if "loss" in s]  # not the evaluations' lines
     assert len({s["step"] for s in steps}) == len(steps), "a step logged twice"
     return {s["step"]: s["loss"] for s in steps}
@@ -88,7 +95,8 @@ class Job:
     """``processes`` hosts of ``devices`` CPU devices, each its own session (a host's
     processes die together), running the training command on one workdir."""
 
-    def __init__(self, config_file: Path, workdir: Path, processes: int, devices: int):
+    def __init__(self, config_file: Path, workdir: str, logs: Path, processes: int,
+                 devices: int):
         port = _free_port()
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                    JAX_PLATFORMS="cpu")
@@ -98,8 +106,9 @@ class Job:
             command += ["--multihost", f"--coordinator_address=127.0.0.1:{port}",
                         f"--num_processes={processes}", "--cpu_collectives=gloo",
                         f"--peer_timeout_s={PEER_TIMEOUT_S}"]
-        self.workdir = workdir
-        self.logs = [workdir.with_name(f"{workdir.name}.{i}.log") for i in range(processes)]
+        self.workdir = paths.path(workdir)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs = [logs / f"process_{i}.log" for i in range(processes)]
         self.procs = [subprocess.Popen(
             command + ([f"--process_id={i}"] if processes > 1 else []), cwd=REPO, env=env,
             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -131,14 +140,23 @@ def _close_to(losses: dict[int, float], reference: dict[int, float]) -> None:
         assert loss == pytest.approx(reference[step], rel=1e-6), step
 
 
-def _shards(checkpoint: Path) -> set[str]:
+def _shards(checkpoint: paths.AnyPath) -> set[str]:
     return {p.name for p in (checkpoint / "state").glob("ocdbt.process_*")}
 
 
 def test_lost_host_stops_the_others_and_the_job_resumes_on_two_hosts(setup, tmp_path):
-    config_file, _, reference = setup
-    workdir = tmp_path / "run"
-    job = Job(config_file, workdir, processes=4, devices=2)
+    root, data_dir, reference = setup
+    with fake_gcs():
+        bucket_data = f"gs://{BUCKET}/multihost/data"
+        datasets.prepare("synthetic", bucket_data, "moderate", SMALL)
+        config_file = _config_file(tmp_path, bucket_data)
+        _lose_a_host_then_resume(config_file, f"gs://{BUCKET}/multihost/run", tmp_path,
+                                 reference)
+
+
+def _lose_a_host_then_resume(config_file: Path, workdir: str, logs: Path,
+                             reference: dict[int, float]) -> None:
+    job = Job(config_file, workdir, logs / "four", processes=4, devices=2)
     job.wait_for_step(CHECKPOINT_EVERY + 1)
     os.killpg(job.procs[2].pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -155,26 +173,28 @@ def test_lost_host_stops_the_others_and_the_job_resumes_on_two_hosts(setup, tmp_
         assert named or (i != 0 and "connection to process 0, the coordinator" in last), last
         assert f"process {i} stopped too" in last
         assert "Check failure" not in job.log(i) and "coordination_service" not in job.log(i)
-    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and _shards(workdir / "checkpoints" / str(saved[-1])) == {
+    checkpoints = paths.path(workdir) / "checkpoints"
+    saved = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert saved and _shards(checkpoints / str(saved[-1])) == {
         f"ocdbt.process_{i}" for i in range(4)}  # every process wrote its shards
     # Only process 0 logs the training.
     assert "metric_writer" in job.log(0) and "metric_writer" not in job.log(1)
 
-    again = Job(config_file, workdir, processes=2, devices=4)
+    again = Job(config_file, workdir, logs / "two", processes=2, devices=4)
     assert again.wait() == [0, 0], again.log(0)[-3000:]
     assert f"restored checkpoint of step {saved[-1]}" in again.log(0)
     assert "resumed from process_0-of-4.json" in again.log(0)
     _close_to(_losses(workdir), reference)
     # The final evaluation scored every val pair, process 0's share and process 1's.
-    captions = json.loads((workdir / "captions" / f"val_{STEPS}.json").read_text())
+    captions = json.loads((paths.path(workdir) / "captions" / f"val_{STEPS}.json").read_text())
     assert len({c["image_id"] for c in captions}) == len(captions) == 2 * SMALL["num_val"]
 
 
 def test_preemption_saves_on_every_host_and_resumes_on_one(setup, tmp_path):
-    config_file, data_dir, reference = setup
+    root, data_dir, reference = setup
+    config_file = _config_file(tmp_path, data_dir)
     workdir = tmp_path / "run"
-    job = Job(config_file, workdir, processes=4, devices=2)
+    job = Job(config_file, str(workdir), tmp_path, processes=4, devices=2)
     job.wait_for_step(1)
     os.kill(job.procs[1].pid, signal.SIGTERM)  # the watcher of process 1 passes it on
     assert job.wait() == [0, 0, 0, 0], job.log(1)[-3000:]
