@@ -11,7 +11,7 @@ import optax
 from train_helpers import toy_loss_fn
 
 from changecap_jax import parallel
-from changecap_jax.trainers import captioning, loop, pretraining, update
+from changecap_jax.trainers import caption_step, captioning, loop, pretraining, update
 
 
 def test_captioning_and_pretraining_run_the_same_loop(monkeypatch):
@@ -27,7 +27,7 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
     built = []
     monkeypatch.setattr(pretraining, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
-    monkeypatch.setattr(captioning, "make_update_step",
+    monkeypatch.setattr(caption_step, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
 
     class Model:
