@@ -62,7 +62,7 @@ def settings(tiny: bool, models: list[str] | None = None) -> Settings:
                         largest_batch_cap=16, min_job_s=0.0)
     return Settings(presets, batch=128, decode_pairs=128, steps=10, decode_batches=3,
                     train_steps=300, train_batch=64, train_examples=1536, feature_images=8,
-                    largest_batch_cap=4096, min_job_s=40.0)
+                    largest_batch_cap=2048, min_job_s=40.0)
 
 
 class Clock:
