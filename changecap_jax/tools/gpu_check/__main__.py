@@ -12,6 +12,7 @@ the CPU presets and a few steps, for CI. docs/performance.md "GPU check".
 from __future__ import annotations
 
 import csv
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +52,8 @@ class Run:
         if left < max(self.s.min_job_s if min_s is None else min_s, 1.0):
             self.results["skipped"].append(f"{what}: the part's time was spent")
             return None
-        result = job.launch(kind, spec, left, env={**GPU_ENV, **(env or {})})
+        defaults = {k: v for k, v in GPU_ENV.items() if k not in os.environ}  # the user's wins
+        result = job.launch(kind, spec, left, env={**defaults, **(env or {})})
         print(f"[{self.clock.elapsed():4.0f} s] {what}: {result.get('status')}", flush=True)
         return result
 
