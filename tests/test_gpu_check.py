@@ -102,8 +102,13 @@ def test_a_spent_part_skips_its_jobs_with_a_note(monkeypatch, tmp_path):
 
 
 def test_a_child_that_fails_or_overruns_is_reported(tmp_path):
-    result = job.launch("steps", {"model": "nonexistent", "preset": "synthetic"}, timeout_s=60)
+    spec, out = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"kind": "steps", "out": str(out), "model": "nonexistent",
+                                "preset": "synthetic"}))
+    assert job.main(["job", str(spec)]) == 1  # the child's side, in this process
+    result = json.loads(out.read_text())
     assert result["status"] == "error" and "configs.nonexistent" in result["message"]
+    assert job.launch("steps", {}, timeout_s=0.01)["status"] == "timeout"
     assert job._failure(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))["status"] == "oom"
 
 
