@@ -28,6 +28,7 @@ FLAGS = flags.FLAGS
 # The children's device memory pool: JAX's default 75 % would refuse batches that fit.
 GPU_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
 MEMORY_MARGIN = 0.9  # the largest batch predicted to fit leaves this share of the card
+ENVIRONMENT_S = 60.0  # the environment child's time, at most: jax's and torch's CUDA starts
 
 
 class Run:
@@ -59,6 +60,8 @@ class Run:
 
 
 def run_environment(r: Run, deadline: float) -> None:
+    # Every later part reads what this finds: it gets up to ENVIRONMENT_S whatever its share.
+    deadline = max(deadline, time.monotonic() + min(ENVIRONMENT_S, r.clock.left()))
     env = r.launch("environment", {}, deadline, "environment", min_s=0.0) or {}
     r.results["environment"] = env
     known = plan.bf16_peak_tflops(env.get("device_kind", "")) if env.get("backend") != "cpu" \

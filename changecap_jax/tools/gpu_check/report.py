@@ -72,9 +72,11 @@ def _feature_lines(f: dict[str, Any]) -> list[str]:
 
 def text(results: dict[str, Any]) -> str:
     env = results["environment"]
-    lines = [f"GPU check{' (tiny)' if results['tiny'] else ''}: {env.get('device_count')} x "
-             f"{env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}; bf16 "
-             f"peak {_num(results['bf16_peak_tflops'], '.0f')} TFLOP/s; "
+    host = (f"{env.get('device_count')} x {env.get('device_kind')} ({env.get('backend')}), "
+            f"jax {env.get('jax')}" if env.get("status") == "ok"
+            else f"environment {env.get('status')}: {env.get('message', '')[:80]}")
+    lines = [f"GPU check{' (tiny)' if results['tiny'] else ''}: {host}; bf16 peak "
+             f"{_num(results['bf16_peak_tflops'], '.0f')} TFLOP/s; "
              f"{results['elapsed_s']:.0f} s of a {results['budget_s']:.0f} s budget", ""]
     lines += _step_lines(results["steps"], "train step (random inputs of the preset's shapes; "
                          f"decode = greedy, {results['decode_pairs']} pairs):")
