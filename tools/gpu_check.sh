@@ -15,4 +15,10 @@ if compgen -G "gpu_wheels/*.whl" > /dev/null; then
   python3 -m pip install --quiet --no-index --no-deps --target "$site" gpu_wheels/*.whl
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+if ! python3 -c "import ml_collections" 2> /dev/null; then
+  echo "error: ml_collections is not installed and gpu_wheels/ has no wheel of it; on a machine" \
+    "with PyPI: python3 -m pip download --no-deps -d gpu_wheels --python-version 3.12" \
+    "--platform manylinux2014_x86_64 --only-binary=:all: ml_collections==1.1.0" >&2
+  exit 2
+fi
 exec python3 -m changecap_jax gpu_check --out="$out" "$@"
