@@ -42,7 +42,7 @@ from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
 from changecap_jax.inference import decoding  # noqa: E402
 from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
 from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
-from changecap_jax.trainers import captioning, optimizers, update  # noqa: E402
+from changecap_jax.trainers import caption_step, captioning, optimizers, update  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -219,7 +219,7 @@ def _check_gradients(config, params, ours_batch, tb, enc, dec, gen, entries):
     torch gradient entry)."""
     model = models.build(config.model, vocab_size=VOCAB, max_len=SEQ)
     mesh = parallel.make_mesh()
-    loss_fn = captioning.make_loss_fn(model, dict(config.loss_weights), mesh)
+    loss_fn = caption_step.make_loss_fn(model, dict(config.loss_weights), mesh)
     sharded = jax.device_put({k: jnp.asarray(v) for k, v in ours_batch.items()},
                              parallel.batch_sharding(mesh))
     grad_fn = jax.jit(jax.grad(lambda p: loss_fn(p, sharded, jax.random.PRNGKey(0))[0]))

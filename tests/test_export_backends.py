@@ -17,7 +17,7 @@ import pytest
 from changecap_jax import models, parallel
 from changecap_jax.inference import decoding, explain
 from changecap_jax.tools import synthetic_inputs
-from changecap_jax.trainers import captioning, optimizers
+from changecap_jax.trainers import caption_step, optimizers
 from tests.train_helpers import SMALL
 
 PLATFORMS = ("cuda", "tpu")
@@ -47,10 +47,10 @@ def test_the_train_step_lowers_for_gpu_and_tpu(name, preset, dtype):
     config, model, batch = _setup(name, preset)
     mesh = parallel.make_mesh(1)
     optimizer, schedule = optimizers.make_optimizer(config.optim, 10)
-    step = captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
+    step = caption_step.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
                                       dict(config.optim.zero_grad_rows), schedule,
                                       compute_dtype=jnp.dtype(dtype))
-    state = jax.eval_shape(lambda: captioning.init_train_state(
+    state = jax.eval_shape(lambda: caption_step.init_train_state(
         model, optimizer, batch, mesh, jax.random.PRNGKey(0)))
     exported = _export(step, state, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))

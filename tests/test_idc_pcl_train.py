@@ -25,7 +25,7 @@ from changecap_jax.inference import decoding, export, predict
 from changecap_jax.io import checkpoints
 from changecap_jax.models import base, idc_pcl
 from changecap_jax.models.base import IGNORE_INDEX
-from changecap_jax.trainers import captioning, loop, update
+from changecap_jax.trainers import caption_step, captioning, loop, update
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,7 +92,7 @@ def _output_and_loss(config, data_dir, tmp_path):
     state = trainer.init_state()
     batch = pipeline.to_global(next(iter(trainer.train_loader())), trainer.data_sharding)
     rng = jax.random.key(7)
-    loss_fn = captioning.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
+    loss_fn = caption_step.make_loss_fn(trainer.model, dict(config.loss_weights), trainer.mesh)
     total, metrics = jax.jit(loss_fn)(state.params, batch, rng)
     out = trainer.model.apply({"params": state.params}, batch, train=True,
                               rngs={"dropout": rng,

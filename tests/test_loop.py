@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from train_helpers import toy_loss_fn
 
 from changecap_jax import parallel
-from changecap_jax.trainers import captioning, loop, pretraining, update
+from changecap_jax.trainers import caption_step, captioning, loop, pretraining, update
 
 
 def test_captioning_and_pretraining_run_the_same_loop(monkeypatch):
@@ -27,7 +28,7 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
     built = []
     monkeypatch.setattr(pretraining, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
-    monkeypatch.setattr(captioning, "make_update_step",
+    monkeypatch.setattr(caption_step, "make_update_step",
                         lambda loss_fn, *args, **kw: built.append(kw) or "step")
 
     class Model:
@@ -40,7 +41,7 @@ def test_both_tasks_build_their_update_with_the_shared_builder(monkeypatch):
     rows = {"word_embedding/embedding": 0}
     assert pretraining.make_task_step(model, "mlm", None, mesh, None,
                                       zero_grad_rows=rows) == "step"
-    assert captioning.make_train_step(model, None, {}, mesh, rows, None) == "step"
+    assert caption_step.make_train_step(model, None, {}, mesh, rows, None) == "step"
     for kw in built:
         assert kw["zero_grad_rows"] == rows
         assert kw["post_update"] == model.post_update
@@ -84,3 +85,39 @@ def test_host_memory_is_released_after_each_evaluation(monkeypatch):
     results = loop._evaluate(Task(), None, None, 7, {}, None, False)
     assert results == {"val": {"CIDEr": 1.0}}
     assert calls == ["evaluate 7", "release"]
+
+
+def test_a_start_that_fails_still_closes_the_writer_and_the_manager(monkeypatch, tmp_path):
+    """An unclosed tensorboardX writer prints a traceback at exit on Python 3.12, after the
+    one-line error of, say, a restore that fails."""
+    closed = []
+
+    class Writer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            closed.append("writer")
+
+    class Manager:
+        def close(self):
+            closed.append("manager")
+
+    class Task:
+        workdir, is_main, config = tmp_path, True, {}
+
+        def checkpoint_manager(self):
+            return Manager()
+
+        def data_streams(self):
+            return {}
+
+    def fail(*args):
+        raise RuntimeError("restore failed")
+
+    monkeypatch.setattr(loop, "MetricWriter", Writer)
+    monkeypatch.setattr(loop.run_config, "save_config", lambda *args: None)
+    monkeypatch.setattr(loop, "start", fail)
+    with pytest.raises(RuntimeError, match="restore failed"):
+        loop.run(Task())
+    assert closed == ["manager", "writer"]

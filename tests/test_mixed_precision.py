@@ -13,7 +13,7 @@ from changecap_jax import models, parallel
 from changecap_jax.data import pipeline
 from changecap_jax.models import precision
 from changecap_jax.tools import synthetic_inputs
-from changecap_jax.trainers import captioning, optimizers, update
+from changecap_jax.trainers import caption_step, optimizers, update
 from tests.train_helpers import SMALL
 
 # Relative distance of bfloat16 from float32 allowed for each loss of a freshly initialised
@@ -45,7 +45,7 @@ def test_bfloat16_forward_and_losses_near_float32(name, preset):
     rng = jax.random.key(1)
     out = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        fn = jax.jit(captioning.make_loss_fn(model, dict(config.loss_weights), mesh, dtype))
+        fn = jax.jit(caption_step.make_loss_fn(model, dict(config.loss_weights), mesh, dtype))
         out[dtype] = jax.device_get(fn(params, batch, rng)[1])
         # The forward itself ran in the compute dtype: the logits come out in it.
         cast_params, cast_batch = precision.cast_floating((params, batch), dtype)
@@ -67,7 +67,7 @@ def test_train_step_keeps_float32_state_and_gradients():
     mesh = parallel.make_mesh(1)
     state0 = update.TrainState(step=jnp.int32(0), params=params,
                               opt_state=optimizer.init(params), rng=jax.random.key(2))
-    steps = {d: captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh, {},
+    steps = {d: caption_step.make_train_step(model, optimizer, dict(config.loss_weights), mesh, {},
                                       schedule, with_grads=True, compute_dtype=d)
              for d in (jnp.float32, jnp.bfloat16)}
     arrays = pipeline.to_global(batch, parallel.batch_sharding(mesh))

@@ -28,7 +28,7 @@ from changecap_jax.inference import decoding
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.layers import sinusoid_table
 from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR
-from changecap_jax.trainers import captioning, optimizers
+from changecap_jax.trainers import caption_step, captioning, optimizers
 from configs import scorer as scorer_config
 
 B, H, W, C, L, V = 4, 4, 4, 6, 8, 12
@@ -498,7 +498,7 @@ def test_full_loss_and_gradients_8_devices_equal_1():
     results = []
     for n in (1, 8):
         mesh = parallel.make_mesh(n)
-        loss_fn = captioning.make_loss_fn(m, weights, mesh)
+        loss_fn = caption_step.make_loss_fn(m, weights, mesh)
         arrays = jax.device_put(b, parallel.batch_sharding(mesh))
         grads, metrics = jax.jit(jax.grad(loss_fn, has_aux=True))(
             variables["params"], arrays, jax.random.key(0))

@@ -43,13 +43,13 @@ def _one_step(config, workdir, num_devices, batch):
 
     from changecap_jax import parallel
     from changecap_jax.data import pipeline
-    from changecap_jax.trainers import captioning
+    from changecap_jax.trainers import caption_step, captioning
 
     trainer = captioning.Trainer(config, workdir, mesh=parallel.make_mesh(num_devices))
     state = trainer.init_state()
     arrays = pipeline.to_global(batch, trainer.data_sharding)
     # The trainer's own update, also returning the gradients (one compile for both).
-    step = captioning.make_train_step(
+    step = caption_step.make_train_step(
         trainer.model, trainer.optimizer, dict(config.loss_weights), trainer.mesh,
         dict(config.optim.zero_grad_rows), trainer.schedule, with_grads=True)
     state, metrics, grads = step(state, arrays)

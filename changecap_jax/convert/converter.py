@@ -60,7 +60,7 @@ from changecap_jax.convert.torch_checkpoint import (
 )
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.io import checkpoints, paths, run_config
-from changecap_jax.trainers import captioning, optimizers, update
+from changecap_jax.trainers import caption_step, optimizers, update
 
 MISSING_POLICIES = ("error", "init")
 MAX_LISTED = 30  # problems listed in an error message (all are in KeyMismatchError.problems)
@@ -199,7 +199,7 @@ def init_params(config: ml_collections.ConfigDict, model: Any, model_converter: 
     else:
         args, kwargs = model_converter.init_inputs(model, sizes)
     # The trainer's own initialisation key.
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), captioning.INIT_FOLD)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), caption_step.INIT_FOLD)
     init = lambda: model.init({"params": key}, *args, **kwargs)["params"]  # noqa: E731
     return jax.eval_shape(init) if abstract else jax.jit(init)()
 

@@ -7,7 +7,7 @@
 With the config's dataset (the default) the experiment is built as for training
 (``experiment.build``) and its step and state as the trainer makes them. With
 ``--synthetic_inputs`` no dataset is read or built: the model, optimiser and step are built from
-the config alone (``models.build``, ``optimizers.make_optimizer``, ``captioning.make_train_step``)
+the config alone (``models.build``, ``optimizers.make_optimizer``, ``caption_step.make_train_step``)
 and fed
 random batches of the dataset's shapes (``changecap_jax/tools/synthetic_inputs.py``: ResNet-101
 grids,
@@ -59,7 +59,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +67,8 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import cli, compile_cache, experiment, models, parallel
+from changecap_jax import cli, compile_cache, models, parallel
 from changecap_jax.cpu import allocator
-from changecap_jax.data import pipeline
 from changecap_jax.errors import UserError
 from changecap_jax.inference import decoding
 from changecap_jax.io.jsonio import write_json_atomic
@@ -78,7 +77,10 @@ from changecap_jax.models.base import conditioning_shapes
 from changecap_jax.tools import flop_count
 from changecap_jax.tools import synthetic_inputs as si
 from changecap_jax.tools.benchmark_alternating import timed
-from changecap_jax.trainers import captioning, optimizers
+from changecap_jax.trainers import caption_step, optimizers
+
+if TYPE_CHECKING:
+    from changecap_jax import experiment
 
 FLAGS = flags.FLAGS
 WARMUP_BATCHES = 3  # distinct global batches the timed steps cycle through
@@ -125,9 +127,15 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
 def dataset_setup(config: ml_collections.ConfigDict) -> Setup:
     """The step, fresh state and batches of training on the config's dataset, made as
     ``captioning.Trainer`` makes them."""
+    # Imported here: the dataset side needs TFDS and grain, which the synthetic inputs (and the
+    # GPU check, changecap_jax/tools/gpu_check.py) do without.
+    from changecap_jax import experiment
+    from changecap_jax.data import pipeline
+    from changecap_jax.trainers import captioning
+
     exp = experiment.build(config)
     optimizer, schedule = optimizers.make_optimizer(config.optim, exp.steps_per_epoch)
-    step = captioning.make_train_step(exp.model, optimizer, dict(config.loss_weights), exp.mesh,
+    step = caption_step.make_train_step(exp.model, optimizer, dict(config.loss_weights), exp.mesh,
                                  dict(config.optim.zero_grad_rows), schedule,
                                  compute_dtype=exp.compute_dtype)
     state = captioning.fresh_state(exp, optimizer, jax.random.PRNGKey(config.seed))
@@ -153,13 +161,13 @@ def synthetic_setup(config: ml_collections.ConfigDict, shapes: Any) -> Setup:
                           shapes.vocab_size, seed=k) for k in range(WARMUP_BATCHES)]
     si.check_model_reads(model, host[0])
     optimizer, schedule = optimizers.make_optimizer(config.optim, SYNTHETIC_STEPS_PER_EPOCH)
-    step = captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
-                                 dict(config.optim.zero_grad_rows), schedule,
-                                 compute_dtype=_compute_dtype(config))
+    step = caption_step.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
+                                        dict(config.optim.zero_grad_rows), schedule,
+                                        compute_dtype=_compute_dtype(config))
     sharding = parallel.batch_sharding(mesh)
     batches = [jax.device_put(b, sharding) for b in host]
-    state = captioning.init_train_state(model, optimizer, host[0], mesh,
-                                   jax.random.PRNGKey(config.seed))
+    state = caption_step.init_train_state(model, optimizer, host[0], mesh,
+                                          jax.random.PRNGKey(config.seed))
     ev = jax.device_put(si.make_batch(model, config.eval_batch_size, shapes.feature_shape,
                                       shapes.caption_len, shapes.vocab_size, seed=99), sharding)
     decode_inputs = {"before": ev["before"], "after": ev["after_semantic"],
@@ -290,6 +298,9 @@ def time_input(exp: experiment.Experiment | None, batches: int) -> dict[str, Any
     transfer to the devices, as the training loop does them, without the step."""
     if exp is None or batches <= 0:
         return {"input_examples_per_s": None, "input_batches": None}
+    from changecap_jax.data import pipeline  # grain: the dataset side only (dataset_setup)
+    from changecap_jax.trainers import captioning
+
     sharding = parallel.batch_sharding(exp.mesh)
     iterator = iter(captioning.training_batches(exp))
     # The first batch opens the record files and starts grain's readers: not timed.

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from changecap_jax.data.streams import BEFORE, STREAMS
-from changecap_jax.data.synthetic.builder import DEFAULT_MAX_CAPTION_LEN
+from changecap_jax.data.synthetic.examples import DEFAULT_MAX_CAPTION_LEN
 from changecap_jax.data.vocab import END_ID, START_ID
 from changecap_jax.errors import UserError
 from changecap_jax.models import contract

@@ -263,22 +263,25 @@ def run(task: Task) -> dict[str, Any]:
     config = task.config
     writer = MetricWriter(task.workdir / "tensorboard", enabled=task.is_main,
                           scalars_file=task.workdir / SCALARS_FILE)
-    run_config.save_config(task.workdir, config)  # what export and report rebuild the run from
-    manager = task.checkpoint_manager()
-    streams = task.data_streams()
-    state = start(task, manager, writer, streams)
-    stopper = EarlyStopping(task.workdir / BEST_DIR, config.get("early_stop_evals", 0),
-                            task.selection_metric)
-    if task.is_main:
-        task.describe(state, int(state.step))
+    manager = None
     notice = PreemptionNotice()
+    # Closed however the start ends too (a restore that fails, a user error): on Python 3.12
+    # tensorboardX's exit hook cannot close a writer left open, and prints a traceback.
     try:
-        results = _train(task, manager, writer, streams, state, stopper, notice)
+        run_config.save_config(task.workdir, config)  # what export and report rebuild from
+        manager = task.checkpoint_manager()
+        streams = task.data_streams()
+        state = start(task, manager, writer, streams)
+        stopper = EarlyStopping(task.workdir / BEST_DIR, config.get("early_stop_evals", 0),
+                                task.selection_metric)
+        if task.is_main:
+            task.describe(state, int(state.step))
+        return _train(task, manager, writer, streams, state, stopper, notice)
     finally:
         notice.close()
-        manager.close()
+        if manager is not None:
+            manager.close()
         writer.close()
-    return results
 
 
 def _log(task: Task, writer: MetricWriter, window: _Window, guard: FiniteGuard,

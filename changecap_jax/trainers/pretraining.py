@@ -109,7 +109,7 @@ from changecap_jax.models.idc_pcl_pretraining import (
     PretrainError,
     make_task_loss,
 )
-from changecap_jax.trainers import captioning, loop, update
+from changecap_jax.trainers import caption_step, captioning, loop, update
 from changecap_jax.trainers.update import make_update_step
 
 VAL_FOLD = 0x7A11  # validation masks come from fold_in(fold_in(seed key, VAL_FOLD), batch)
@@ -430,7 +430,7 @@ class PretrainTrainer(captioning.Trainer):
         sample = self.samples("mlm", "train")[0]
         img = np.asarray(sample["img1"]).shape
         length = np.asarray(sample["captions"]).shape[-1]
-        init_rng = jax.random.fold_in(self.rng, captioning.INIT_FOLD)
+        init_rng = jax.random.fold_in(self.rng, caption_step.INIT_FOLD)
 
         @functools.partial(jax.jit, out_shardings=parallel.replicated(self.mesh))
         def init() -> update.TrainState:

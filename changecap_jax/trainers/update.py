@@ -1,7 +1,7 @@
 """The one update step of every task: the train state, the jitted (state, batch) -> (state,
 metrics) update built from a task's loss, and the gradient row mask it may apply.
 
-Captioning (``captioning.make_loss_fn``) and pretraining (``models/idc_pcl_pretraining.py``) both
+Captioning (``trainers/caption_step.py``) and pretraining (``models/idc_pcl_pretraining.py``) both
 build their steps with :func:`make_update_step`; only the loss differs.
 
 Section numbers (§) refer to docs/official/ (see its README.md).

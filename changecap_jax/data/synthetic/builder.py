@@ -35,7 +35,17 @@ from PIL import Image
 
 from changecap_jax.data import schema
 from changecap_jax.data.boxes import mean_box_iou
-from changecap_jax.data.synthetic import render, scenes
+from changecap_jax.data.synthetic import scenes
+from changecap_jax.data.synthetic.examples import (
+    DEFAULT_FEATURE_DTYPE,
+    DEFAULT_FEATURE_SHAPE,
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_MAX_CAPTION_LEN,
+    DEFAULT_SIZES,
+    change_type_of,
+    example_rng,
+    render_views,
+)
 from changecap_jax.data.vocab import (
     CaptionError,
     Vocabulary,
@@ -44,11 +54,6 @@ from changecap_jax.data.vocab import (
 )
 from changecap_jax.features import grid as grid_features
 
-DEFAULT_SIZES = {"train": 3000, "val": 300, "test": 600}
-DEFAULT_FEATURE_SHAPE = (8, 8, 64)
-DEFAULT_IMAGE_SIZE = (128, 128)
-DEFAULT_MAX_CAPTION_LEN = 16
-DEFAULT_FEATURE_DTYPE = "float16"
 # Config name part of a non-default feature dtype.
 DTYPE_SUFFIXES = {"float32": "_fp32", "float16": "", "bfloat16": "_bf16"}
 
@@ -111,11 +116,6 @@ def make_config(
     )
 
 
-def example_rng(seed: int, example_id: int) -> np.random.Generator:
-    """The generator of one example: independent of every other example."""
-    return np.random.default_rng([seed, example_id])
-
-
 def split_ids(config: SyntheticChangeConfig) -> dict[str, list[int]]:
     """Ids 0..N-1 shuffled into train/val/test (as CLEVR-Change's splits.json)."""
     n = config.num_train + config.num_val + config.num_test
@@ -125,10 +125,6 @@ def split_ids(config: SyntheticChangeConfig) -> dict[str, list[int]]:
         "val": perm[config.num_train : config.num_train + config.num_val],
         "test": perm[config.num_train + config.num_val :],
     }
-
-
-def change_type_of(example_id: int) -> str:
-    return scenes.CHANGE_TYPES[example_id % len(scenes.CHANGE_TYPES)]
 
 
 def make_example(config: SyntheticChangeConfig, example_id: int) -> scenes.Example:
@@ -174,23 +170,12 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
     """Worker: renders the three images of one example, saves them, extracts features."""
     config, example_id, raw_dir = job
     ex = make_example(config, example_id)
-    views = {
-        "before": (ex.before, ex.camera_before, ex.light_before),
-        "after_semantic": (ex.after, ex.camera_semantic, ex.light_semantic),
-        "after_distractor": (ex.before, ex.camera_distractor, ex.light_distractor),
-    }
-    out: dict[str, Any] = {}
-    images = []
-    boxes = {}
-    for key, (objects, cam, light) in views.items():
-        image, obj_boxes = render.render(objects, cam, light, config.image_size)
+    images, boxes = render_views(ex, config.image_size)
+    for key, image in images.items():
         Image.fromarray(image).save(image_path(raw_dir, key, example_id), compress_level=6)
-        images.append(image)
-        boxes[key] = obj_boxes
-    feats = grid_features.extract(np.stack(images), config.feature_shape,
+    feats = grid_features.extract(np.stack(list(images.values())), config.feature_shape,
                                   schema.feature_dtype(config.feature_dtype))
-    for key, f in zip(views, feats, strict=True):
-        out[key] = f
+    out: dict[str, Any] = dict(zip(images, feats, strict=True))
     missing = np.full((4,), -1.0, np.float32)
     out["bbox_before"] = (np.asarray(boxes["before"][ex.changed_index_before], np.float32)
                           if ex.changed_index_before >= 0 else missing)

@@ -53,7 +53,7 @@ from changecap_jax.tools.reproduce.adapters import (
     TorchPair,
     get_adapter,
 )
-from changecap_jax.trainers import captioning, optimizers, update
+from changecap_jax.trainers import caption_step, optimizers, update
 
 INPUTS = ("dataset", "random")
 OFFICIAL_SOURCES = (ENCODER, DECODER)  # in the official snapshot
@@ -321,7 +321,7 @@ def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
     params = jax.tree.map(lambda x: np.asarray(x, dtype), params)
     mesh = parallel.make_mesh(1)
     optimizer, schedule = optimizers.make_optimizer(config.optim, inputs.steps_per_epoch)
-    step_fn = captioning.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
+    step_fn = caption_step.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
                                     dict(config.optim.zero_grad_rows), schedule,
                                     with_grads=True, compute_dtype=jnp.dtype(dtype))
     state = update.TrainState(step=jnp.int32(0), params=params,
