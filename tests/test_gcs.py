@@ -308,3 +308,27 @@ def test_the_command_line_cycle_on_gs_equals_local_disk(gcs, tmp_path):
         assert on_gs[key] == on_disk[key], key
     print("equal on gs:// and disk:", json.dumps({k: on_gs[k] for k in ("metrics", "prediction")}))
     assert len(on_gs["scalars"]) > STEPS // LOG_EVERY and on_gs["metrics"]["num_pairs"] > 0
+
+
+def test_an_extra_pretraining_source_in_a_bucket_is_read_from_a_local_copy(gcs, tmp_path):
+    """config.pretrain.extra_source.dir on gs://: its arrays are memory-mapped from this host's
+    copy, the same as the folder's own."""
+    from changecap_jax.data import extra_source
+
+    folder = tmp_path / "source"
+    folder.mkdir()
+    meta = {"task": "classify", "splits": {"train": 3}, "feature_shape": [2, 2, 4],
+            "labels": ["wren", "gull"]}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    features = np.arange(48, dtype=np.float16).reshape(3, 2, 2, 4)
+    np.save(folder / "train.features.npy", features)
+    np.savez(folder / "train.npz", labels=np.array([1, 0, 1]))
+    remote = _bucket("sources", "birds")
+    paths.upload(folder, remote, "the test source", last=("meta.json",))
+    read = extra_source.open_source(remote, "train")
+    assert read.directory == paths.local_mirror_dir(remote) and read.directory.is_dir()
+    np.testing.assert_array_equal(read.features, features)
+    np.testing.assert_array_equal(read.labels, [1, 0, 1])
+    assert extra_source.read_meta(remote) == meta
+    with pytest.raises(extra_source.ExtraSourceError, match="has no meta.json"):
+        extra_source.open_source(_bucket("sources", "none"), "train")

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from changecap_jax.data import building
 from changecap_jax.errors import UserError
+from changecap_jax.io import paths
 
 CAPTION, CLASSIFY = "caption", "classify"
 TASKS = (CAPTION, CLASSIFY)
@@ -78,9 +80,29 @@ def _field(meta: dict, path: Path, key: str, check: Any, expected: str) -> Any:
     return value
 
 
+def local_directory(directory: str | Path, wait_s: float = 3600.0) -> Path:
+    """The source directory to read: itself, or for a bucket folder (``gs://...``) this host's
+    local copy (``paths.local_mirror_dir``, refreshed file by file; one process of a host
+    copies while the others wait). The feature arrays are memory-mapped and read at random,
+    which a bucket cannot serve; hard negatives made on first use stay in the copy."""
+    if not paths.is_remote(directory):
+        return Path(directory)
+    local = paths.local_mirror_dir(directory)
+    remote = paths.path(directory)
+    if not (remote / "meta.json").exists():
+        raise ExtraSourceError(f"{directory}: config.pretrain.extra_source.dir has no "
+                               "meta.json (make it with python -m data_prep.cross_task)")
+    try:
+        with building.dataset_lock(local, f"the local copy of {directory}", wait_s):
+            paths.mirror(remote, local, "extra source", last=("meta.json",))
+    except building.LockTimeout as e:
+        raise ExtraSourceError(str(e)) from e
+    return local
+
+
 def read_meta(directory: str | Path) -> dict[str, Any]:
     """``meta.json`` of a source directory, with the keys pretraining uses checked."""
-    directory = Path(directory)
+    directory = local_directory(directory)
     meta, path = _meta(directory), directory / "meta.json"
     _field(meta, path, "task", lambda v: v in TASKS, f"one of {TASKS}")
     _field(meta, path, "splits", lambda v: isinstance(v, dict) and v,
@@ -109,7 +131,7 @@ def _array(arrays: Any, path: Path, key: str, ndim: int, rows: int, what: str) -
 
 def open_source(directory: str | Path, split: str = "train") -> ExtraSource:
     """Split ``split`` of a source directory, checked against its ``meta.json``."""
-    directory = Path(directory)
+    directory = local_directory(directory)
     meta = read_meta(directory)
     meta_path = directory / "meta.json"
     if split not in meta["splits"]:

@@ -297,7 +297,7 @@ class PretrainTrainer(captioning.Trainer):
             source = extra_source.open_source(cfg.dir, cfg.get("split", "train"))
         except extra_source.ExtraSourceError as e:
             raise PretrainError(str(e)) from e
-        meta_path = Path(cfg.dir) / "meta.json"
+        meta_path = source.directory / "meta.json"
         sample = self.samples("mlm", "train")[0]
         grid, length = np.asarray(sample["img1"]).shape, np.asarray(sample["captions"]).shape[-1]
         shape = tuple(meta["feature_shape"])
@@ -317,7 +317,7 @@ class PretrainTrainer(captioning.Trainer):
                 if "fda" in self.tasks:
                     fda_rows = self._extra_rows(ratio, self.batch_sizes["fda"],
                                                 "config.pretrain.fda_batch_size")
-                    path = negatives.negatives_path(cfg.dir, source.split)
+                    path = negatives.negatives_path(source.directory, source.split)
                     fda_samples = extra_source.CaptionPseudoPairs(
                         source, length, negatives=self._source_negatives(path),
                         vocab=self.dataset.vocab, origin=str(path))
