@@ -2,7 +2,10 @@
 
     python -m changecap_jax.tools.benchmark_probe --data_dir=DIR [--variant=moderate]
         [--feature_shape=8,8,64] [--features=grid,stats,grid@8x8x128,stats@16x16]
-        [--types=color,material] [--pair=pooled]
+        [--types=color,material] [--pair=pooled|absflat|local]
+        [--decompose=grid@8x8x64,grid@16x16x128]
+
+docs/ablations.md, "Why colour and material changes are missed (diagnosis)", has the results.
 
 Pairs of the built-in synthetic set (``datasets.prepare("synthetic", ...)``), one class per
 change type of ``--types`` (the record's before / semantic-after pair) plus ``distractor``
@@ -26,8 +29,12 @@ the mean of before and of after, and the 4 largest per-cell L2 norms of d); ``ab
 cells around the changed object's before-box centre, the same cells for the semantic and the
 distractor pair, pooled (mean, max per channel: the camera jitter, a few pixels, moves an
 object across cell borders) in before and after, and the |difference| of each pool). A linear
-readout of d itself would cancel
-(red -> blue and blue -> red are equally likely), hence the fixed |.| / max pooling.
+readout of d itself would cancel (red -> blue and blue -> red are equally likely), hence the
+fixed |.| / max pooling.
+
+``--decompose``: the test records re-rendered with only the camera or only the light of the
+after views changed, or both changed half as much; the change AUC of each
+(``decompose_distractors``).
 """
 
 from __future__ import annotations
@@ -223,10 +230,25 @@ def change_aucs(views: dict[str, np.ndarray], labels: Sequence[int], types: Sequ
                 dis[labels == scenes.CHANGE_TYPES.index(t)]) for t in types]
 
 
+def _halved(camera: scenes.Camera, light: scenes.Lighting, base: scenes.Lighting
+            ) -> tuple[scenes.Camera, scenes.Lighting]:
+    """A view's camera and light change, each parameter moved half-way back to the before
+    view's (what a distractor strength of half the ranges would draw)."""
+    half = lambda new, old: old + (new - old) / 2
+    return (scenes.Camera(yaw=half(camera.yaw, 0.0), tx=half(camera.tx, 0.0),
+                          ty=half(camera.ty, 0.0), zoom=half(camera.zoom, 1.0)),
+            scenes.Lighting(azimuth=half(light.azimuth, base.azimuth),
+                            brightness=half(light.brightness, base.brightness),
+                            tint=tuple(half(t, b) for t, b in zip(light.tint, base.tint,
+                                                                  strict=True)),
+                            ambient=half(light.ambient, base.ambient)))
+
+
 def decompose_distractors(dataset: datasets.PreparedDataset, types: Sequence[str],
                           specs: Sequence[str]) -> None:
     """Re-renders the test examples of ``types`` with only the camera or only the lighting
-    of each after view changed, and prints the change AUC (``change_aucs``) for each."""
+    of each after view changed, or both changed half as much, and prints the change AUC
+    (``change_aucs``) for each."""
     cfg = dataset.builder.builder_config
     ids = [i for i in synthetic_builder.split_ids(cfg)["test"]
            if synthetic_builder.change_type_of(i) in types]
@@ -234,6 +256,8 @@ def decompose_distractors(dataset: datasets.PreparedDataset, types: Sequence[str
         "camera + light": lambda ex, v: (getattr(ex, f"camera_{v}"), getattr(ex, f"light_{v}")),
         "camera only": lambda ex, v: (getattr(ex, f"camera_{v}"), ex.light_before),
         "light only": lambda ex, v: (ex.camera_before, getattr(ex, f"light_{v}")),
+        "both, halved": lambda ex, v: _halved(getattr(ex, f"camera_{v}"),
+                                              getattr(ex, f"light_{v}"), ex.light_before),
     }
     examples = [synthetic_builder.make_example(cfg, i) for i in ids]
     labels = [scenes.CHANGE_TYPES.index(ex.change_type) for ex in examples]
