@@ -48,6 +48,7 @@ import numpy as np
 from absl import app, flags
 from PIL import Image
 
+from changecap_jax import cli
 from changecap_jax.data import datasets
 from changecap_jax.data.synthetic import builder as synthetic_builder
 from changecap_jax.data.synthetic import render, scenes
@@ -324,4 +325,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
