@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags
 
-from changecap_jax import console
+from changecap_jax import console, cpu
 from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError, UserError
 
@@ -184,6 +184,7 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
     docstring); ``argv`` defaults to ``sys.argv``."""
     argv = list(sys.argv if argv is None else argv)
     allocator.restart_with_chosen_allocator()  # a setting the process must start with
+    cpu.enable()  # the compile-time CPU tunings; each is off on accelerators
     try:
         app.run(_guarded(main), argv=argv, flags_parser=parse_flags)
     except SystemExit as e:

@@ -22,6 +22,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and the benchmark command's test set it back to auto.
 os.environ.setdefault("CHANGECAP_HOST_ALLOCATOR", "default")
 
+# The compile-time CPU tunings every command runs with (changecap_jax/cpu/: cli.run turns them
+# on), so that the tests compile what the commands compile.
+from changecap_jax import cpu  # noqa: E402
+
+cpu.enable()
+
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402

@@ -1,9 +1,9 @@
 """The train step lowers for GPU and TPU from this CPU machine (``jax.export`` with
 ``platforms=("cuda", "tpu")``): every model's, in float32 and bfloat16. A CPU-only construct
 in it (a host callback, a CPU-only custom call, a platform branch without a default) fails
-here. Decoding does not lower this way yet: ``inference/jit.py`` passes CPU compile options
-to its jit, which an exporting (outer) jit refuses; issue 41 moves those options to the
-command line's edge."""
+here. So do the programs that run a trained model: greedy decoding and beam search as
+``decode_ids`` runs them (float32 and bfloat16), and the attention maps ``predict`` draws
+(their CPU compile options, changecap_jax/cpu/inference_options.py, stay out of an export)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import pytest
 
 from changecap_jax import models, parallel
+from changecap_jax.inference import decoding, explain
 from changecap_jax.tools import synthetic_inputs
 from changecap_jax.trainers import captioning, optimizers
 from tests.train_helpers import SMALL
@@ -56,3 +58,33 @@ def test_the_train_step_lowers_for_gpu_and_tpu(name, preset, dtype):
     out_state, metrics = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     assert "nonfinite" in metrics and "loss" in metrics
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
+
+
+def _params(model, batch):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), batch, train=False)["params"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name, preset", MODELS)
+def test_decoding_and_the_predict_program_lower_for_gpu_and_tpu(name, preset, dtype):
+    config, model, batch = _setup(name, preset)
+    params = _params(model, batch)
+    conditioning = {k: batch[f"{k}_semantic"] for k in model.conditioning_shapes}
+    spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    for decode in (ml_collections.ConfigDict({"sample": False, "beam_size": 1}),
+                   ml_collections.ConfigDict({"sample": False, "beam_size": 2,
+                                              "length_penalty": 0.6})):
+        exported = _export(jax.jit(lambda p, b, a, c, decode=decode: decoding.decode_ids(
+            model, p, b, a, decode_config=decode, max_len=CAPTION_LEN, key=jax.random.key(0),
+            conditioning=c, compute_dtype=jnp.dtype(dtype))),
+            spec(params), spec(batch["before"]), spec(batch["after_semantic"]), spec(conditioning))
+        (ids,) = jax.tree.leaves(exported.out_avals)
+        assert ids.shape[0] == batch["before"].shape[0]
+    if conditioning:  # predict serves only models that read the two images alone
+        return
+    ids = jax.ShapeDtypeStruct((batch["before"].shape[0], CAPTION_LEN), jnp.int32)
+    exported = _export(jax.jit(lambda p, b, a, i: explain._word_attention(
+        model, {"params": p}, b, a, i, {})),
+        spec(params), spec(batch["before"]), spec(batch["after_semantic"]), ids)
+    (weights,) = exported.out_avals
+    assert weights.shape[0] == batch["before"].shape[0]

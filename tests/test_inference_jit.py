@@ -1,6 +1,7 @@
-"""changecap_jax/inference/jit.py: decoding and attention maps compiled without XLA's YNNPACK
-library fusions on CPU (docs/performance.md "Decoding"), the same results as XLA's defaults,
-and XLA's defaults where the options are unknown."""
+"""changecap_jax/inference/jit.py with changecap_jax/cpu/inference_options.py: decoding and
+attention maps compiled without XLA's YNNPACK library fusions on CPU (docs/performance.md
+"Decoding"), the same results as XLA's defaults; XLA's defaults where the options are unknown,
+where the CPU tunings are off, on another backend, and inside an outer traced program."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from changecap_jax import cpu
+from changecap_jax.cpu import inference_options
 from changecap_jax.inference import decoding, jit
 from tests.test_decoding import MODEL, _features, _random_params
 
 
 def test_cpu_options_are_known_and_used():
-    assert jax.default_backend() == "cpu"
-    assert jit.compiler_options() == jit.CPU_OPTIONS
+    assert jax.default_backend() == "cpu" and cpu.enabled()  # tests/conftest.py, as cli.run
+    assert inference_options.compiler_options() == inference_options.CPU_OPTIONS
 
 
 def _attention_like(x: jax.Array) -> jax.Array:
@@ -34,13 +37,31 @@ def test_no_library_fusion_in_an_inference_program():
                                jax.jit(_attention_like)(x), rtol=1e-6)
 
 
+def test_off_when_the_cpu_tunings_are_off(monkeypatch):
+    monkeypatch.setattr(cpu, "_enabled", False)
+    assert inference_options.compiler_options() == {}
+    x = jnp.ones((2, 16, 32), jnp.float32)
+    assert "ynn_fusion" in jit.inference_jit(_attention_like).lower(x).compile().as_text()
+
+
+def test_off_on_an_accelerator_backend(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert inference_options.compiler_options() == {}
+
+
 def test_an_unknown_option_falls_back_to_xla_defaults(monkeypatch):
-    monkeypatch.setattr(jit, "CPU_OPTIONS", {"xla_cpu_no_such_option": ""})
-    jit.compiler_options.cache_clear()
-    try:
-        assert jit.compiler_options() == {}
-    finally:
-        jit.compiler_options.cache_clear()
+    monkeypatch.setattr(inference_options, "CPU_OPTIONS", {"xla_cpu_no_such_option": ""})
+    inference_options._known_to_this_xla.cache_clear()
+    assert inference_options.compiler_options() == {}
+
+
+def test_inside_an_outer_jit_it_is_a_plain_nested_jit():
+    """JAX refuses compile options on a jit nested in a traced program; the outer program's
+    own options (here XLA's defaults: fusions present) govern."""
+    x = jnp.ones((2, 16, 32), jnp.float32)
+    outer = jax.jit(lambda x: jit.inference_jit(_attention_like)(x) + 1)
+    assert "ynn_fusion" in outer.lower(x).compile().as_text()
+    np.testing.assert_allclose(outer(x), jax.jit(_attention_like)(x) + 1, rtol=1e-6)
 
 
 def test_greedy_decoding_is_the_default_compiled_one():
@@ -57,6 +78,6 @@ def test_greedy_decoding_is_the_default_compiled_one():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_options():
+def _fresh_probe():
     yield
-    jit.compiler_options.cache_clear()
+    inference_options._known_to_this_xla.cache_clear()

@@ -127,3 +127,26 @@ def test_a_symbolically_zero_cotangent_gives_no_gradients():
     x, kernel = _inputs(5, 8, 4)
     zero = SymbolicZero(jax.core.ShapedArray((2, 5, 4), jnp.float32))
     assert linear_module._linear_backward((x, kernel, True, True), zero) == (None, None)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU lowering")
+def test_without_the_cpu_tunings_the_gradient_is_xla_folded_product(monkeypatch):
+    """Code that uses the library without the command line (cpu.enable) gets XLA's own form."""
+    from changecap_jax import cpu
+
+    monkeypatch.setattr(cpu, "_enabled", False)
+    x, _ = _inputs(50, 96, 32)
+    g = jnp.ones((2, 50, 32))
+    dots = _dots(lambda x, g: kernel_gradient(x, g), x, g)
+    assert len(dots) == 1 and _transposed_lhs(dots[0]), dots
+
+
+def test_gpu_and_tpu_lowerings_keep_the_folded_product():
+    """With the CPU tunings on, an export for GPU and TPU holds no optimisation barrier (the
+    CPU form's mark), and one for the CPU does."""
+    x, kernel = _inputs(50, 96, 32)
+    grad = jax.jit(jax.grad(lambda x, k: jnp.sum(jnp.sin(linear(x, k))), argnums=1))
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, kernel)]
+    for platform, cpu_form in (("cuda", False), ("tpu", False), ("cpu", True)):
+        text = jax.export.export(grad, platforms=(platform,))(*shapes).mlir_module()
+        assert ("optimization_barrier" in text) == cpu_form, platform

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.resources
 import math
 import numbers
 import os
@@ -804,115 +805,12 @@ _CSP = (
     "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 )
 
-_CSS = """
-:root{--fg:#1d2230;--muted:#5b6475;--line:#d5d9e0;--bg:#f6f7f9;--accent:#2763c4}
-*{box-sizing:border-box}
-body{margin:0;padding:16px 24px 48px;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,
- "Helvetica Neue",Arial,sans-serif;color:var(--fg);background:var(--bg)}
-h1{font-size:22px;margin:4px 0 8px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid
- var(--line);padding-bottom:4px}h3{font-size:15px;margin:14px 0 6px;color:var(--muted)}
-nav a{margin-right:14px;color:var(--accent)}
-[hidden]{display:none!important}
-.notes{margin:6px 0;padding-left:20px;color:var(--muted)}
-table.metrics{border-collapse:collapse;background:#fff;margin:6px 0}
-table.metrics th,table.metrics td{border:1px solid var(--line);padding:4px 10px;text-align:right;
- font-variant-numeric:tabular-nums}
-table.metrics th[scope=row]{text-align:left}
-table.metrics thead th{background:#eef1f6}
-table.metrics .main{font-weight:700;background:#fff8e0}
-dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:8px 0}
-dl.facts dt{color:var(--muted)}dl.facts dd{margin:0}
-.legend,.csummary,.gsummary,.empty{color:var(--muted);font-size:12.5px;margin:4px 0}
-.truncated{background:#fff3cd;border:1px solid #e6cf7a;padding:6px 10px;border-radius:4px}
-details{margin:8px 0}
-.charts{display:flex;flex-wrap:wrap;gap:12px}
-figure{margin:0}
-.chartbox{background:#fff;border:1px solid var(--line);border-radius:6px;padding:6px}
-.chartbox .csummary{max-width:360px}
-svg text{font-size:11px;fill:var(--muted)}svg .ctitle{font-size:13px;fill:var(--fg);font-weight:600}
-svg .grid{stroke:#e6e9ee}svg .axis,svg .tick{stroke:#7a8394}
-svg .line{fill:none;stroke:var(--accent);stroke-width:1.6}
-svg .pt{fill:var(--accent)}svg .bar{fill:#7ea3dc}svg .nodata{font-size:13px}
-.controls{display:flex;gap:16px;align-items:center;margin:8px 0}
-.gallery{display:grid;grid-template-columns:repeat(auto-fill,minmax(330px,1fr));gap:12px}
-.card{background:#fff;border:1px solid var(--line);border-left:5px solid #aab;border-radius:6px;
- padding:8px 10px}
-.card.c-low{border-left-color:#d0483e}.card.c-mid{border-left-color:#e0a030}
-.card.c-high{border-left-color:#3a9a55}
-.card header{display:flex;gap:8px;align-items:baseline;flex-wrap:wrap}
-.iid{font-family:ui-monospace,Menlo,Consolas,monospace;font-weight:600;word-break:break-all}
-.ctype{background:#eef1f6;border-radius:10px;padding:0 8px;font-size:12px}
-.cider{margin-left:auto;font-weight:600;font-variant-numeric:tabular-nums}
-.imgs{display:flex;gap:6px;margin:6px 0;flex-wrap:wrap}
-.imgs img{display:block;width:150px;height:auto;border:1px solid
- var(--line)}
-.imgs figcaption{font-size:11px;color:var(--muted);text-align:center}
-.noimg{width:120px;height:60px;display:flex;align-items:center;justify-content:center;
- font-size:11px;color:var(--muted);border:1px dashed var(--line)}
-.gen{margin:4px 0}.refhead{margin:4px 0 0;color:var(--muted)}.refs{margin:2px 0;padding-left:22px}
-dl.extra{margin:4px 0;display:grid;grid-template-columns:max-content 1fr;gap:0 8px}
-dl.extra dt{color:var(--muted)}dl.extra dd{margin:0}
-"""
-
-# Applies the sort / filter named in the URL fragment or query, and keeps the fragment in step
-# with the controls so a view can be shared. Uses the ranks Python wrote on each card.
-_JS = """
-(function () {
-  var gallery = document.getElementById("gallery");
-  if (!gallery) { return; }
-  var controls = document.getElementById("gallery-controls");
-  var sortSel = document.getElementById("sort-select");
-  var typeSel = document.getElementById("type-select");
-  var counter = document.getElementById("shown-count");
-  var cards = Array.prototype.slice.call(gallery.querySelectorAll("article.card"));
-  var RANK = {cider_asc: "rankCiderAsc", cider_desc: "rankCiderDesc", image_id: "rankImageId"};
-  function params() {
-    var out = {};
-    [location.search, location.hash].forEach(function (s) {
-      s.replace(/^[?#]/, "").split("&").forEach(function (kv) {
-        if (!kv) { return; }
-        var i = kv.indexOf("=");
-        var k = decodeURIComponent(i < 0 ? kv : kv.slice(0, i));
-        out[k] = i < 0 ? "" : decodeURIComponent(kv.slice(i + 1).replace(/\\+/g, " "));
-      });
-    });
-    return out;
-  }
-  function hasOption(sel, value) {
-    return !!sel && Array.prototype.some.call(sel.options, function (o) {
-      return o.value === value;
-    });
-  }
-  function apply() {
-    var rank = RANK[sortSel.value] || RANK.cider_asc;
-    var type = typeSel ? typeSel.value : "all";
-    cards.sort(function (a, b) { return Number(a.dataset[rank]) - Number(b.dataset[rank]); });
-    var shown = 0;
-    cards.forEach(function (card) {
-      var visible = type === "all" || card.dataset.type === type;
-      card.hidden = !visible;
-      if (visible) { shown += 1; }
-      gallery.appendChild(card);
-    });
-    counter.textContent = "showing " + shown + " of " + cards.length;
-    document.body.setAttribute("data-sort", sortSel.value);
-  }
-  function remember() {
-    var frag = "#sort=" + sortSel.value;
-    if (typeSel && typeSel.value !== "all") {
-      frag += "&type=" + encodeURIComponent(typeSel.value);
-    }
-    try { history.replaceState(null, "", frag); } catch (e) { /* e.g. sandboxed file: URLs */ }
-  }
-  var p = params();
-  if (hasOption(sortSel, p.sort)) { sortSel.value = p.sort; }
-  if (hasOption(typeSel, p.type)) { typeSel.value = p.type; }
-  controls.hidden = false;
-  apply();
-  sortSel.addEventListener("change", function () { apply(); remember(); });
-  if (typeSel) { typeSel.addEventListener("change", function () { apply(); remember(); }); }
-})();
-"""
+# The page's style and its sort/filter script (which applies the sort / filter named in the URL
+# fragment or query, keeps the fragment in step with the controls so that a view can be shared,
+# and sorts by the ranks Python wrote on each card), inlined into every page.
+_ASSETS = importlib.resources.files("changecap_jax.inference") / "report_assets"
+_CSS = "\n" + (_ASSETS / "report.css").read_text(encoding="utf-8")
+_JS = "\n" + (_ASSETS / "report.js").read_text(encoding="utf-8")
 
 
 def render_report(
