@@ -44,7 +44,7 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from changecap_jax import cli
+from changecap_jax import cli, cpu
 from changecap_jax.errors import UserError
 from changecap_jax.tools import tpu_specs
 
@@ -205,6 +205,9 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # The programs are for TPU although JAX runs on the CPU here: none of the CPU tunings
+    # (changecap_jax/cpu/) that cli.run turned on belongs in them.
+    cpu.enable(False)
     config = FLAGS.config
     if FLAGS.batch_size:
         config.batch_size = FLAGS.batch_size
