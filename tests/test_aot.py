@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from changecap_jax.tools import aot, aot_programs, tpu_specs
+from changecap_jax.tools import aot, aot_programs, aot_table, tpu_specs
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -73,6 +73,24 @@ def test_the_fit_estimate_takes_the_batch_and_temporaries_as_proportional():
     # 10 ms, above 1.5 TFLOP at 197 TFLOP/s (7.6 ms).
     assert r["flops"] == 1.5e12 and r["bound_by"] == "memory"
     assert r["roofline_s"] == pytest.approx(0.01) and r["roofline_per_s"] == pytest.approx(6400)
+
+
+def test_the_docs_table_has_a_row_per_program(tmp_path):
+    chip = tpu_specs.CHIPS["v6e"]
+    memory = {"arguments": 2**30, "outputs": 0, "aliased": 0, "temporaries": 2**30,
+              "generated_code": 0, "total": 2**31}
+    measured = {"memory": memory, "flops": 9.18e11, "bytes_accessed": 1e9, "dot_flops": 0.0,
+                "loops_counted_once": 0, "lower_s": 2.0, "compile_s": 3.0}
+    results = {"preset": "configs/dirl.py:clevr_change", "compute_dtype": "bfloat16",
+               "accelerator_type": "v6e-16", "topology": "v6e:4x4", "chips": 16, "hosts": 2,
+               "programs": [aot_programs.analyse(_program(128), measured, chip, chips=16)]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    lines = aot_table.table([str(path)]).splitlines()
+    assert len(lines) == 3 and lines[1].count("|") == lines[0].count("|")
+    assert lines[2].startswith("| dirl.py:clevr_change bfloat16 | v6e-16 (16 chips, 2 hosts) | "
+                               "train_step | 128 (8) | 2.00 of 31.25 GiB | 918 | 1.0 ms "
+                               "(compute) | 128,000 |")
 
 
 def test_the_compilers_refusal_becomes_one_line_saying_by_how_much():

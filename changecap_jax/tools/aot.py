@@ -116,7 +116,11 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
         "jax": jax.__version__, "libtpu": _libtpu_version(), "programs": [],
     }
     for program in built:
-        measured = aot_programs.compile_program(program)
+        try:
+            measured = aot_programs.compile_program(program)
+        except aot_programs.DoesNotFitError as e:  # reported after the programs that fit
+            results["refused"] = {"program": program.name, "message": str(e)}
+            break
         results["programs"].append(
             aot_programs.analyse(program, measured, topology.chip, topology.chips))
     return results
@@ -176,9 +180,12 @@ def report_lines(results: dict[str, Any]) -> list[str]:
 
 
 def check_fits(results: dict[str, Any]) -> None:
-    """Raises :class:`~aot_programs.DoesNotFitError` for the first program over the chip's HBM."""
+    """Raises :class:`~aot_programs.DoesNotFitError` for a program the compiler refused, else
+    for the first one over the HBM available."""
     from changecap_jax.tools.aot_programs import DoesNotFitError
 
+    if results.get("refused"):
+        raise DoesNotFitError(results["refused"]["message"])
     for p in results["programs"]:
         if not p["fits"]:
             raise DoesNotFitError(
