@@ -58,6 +58,9 @@ class Program:
     batch_bytes: int  # per chip: the batch arguments' bytes
     resident_bytes: int = 0  # per chip: what stays in HBM beside it (the state at evaluation)
     what: str = ""  # one line on what it is
+    # Whether its traced matmuls have per-chip shapes: a train step's all run inside shard_map;
+    # decoding is a plain jit over the sharded batch, traced with global shapes.
+    traced_per_chip: bool = True
 
 
 def topology_mesh(topology: tpu_specs.Topology) -> Mesh:
@@ -160,7 +163,7 @@ def _decode_program(config: ml_collections.ConfigDict, model: Any, state: Any,
     return Program("decode", fn, (params, *batch_args), size, "pairs",
                    _per_chip_bytes(batch_args, chips), resident_bytes=_tree_bytes(state),
                    what=f"evaluation: {how} of one eval batch, {max_len} tokens, with the "
-                        "train state resident")
+                        "train state resident", traced_per_chip=False)
 
 
 def _pretraining_programs(config: ml_collections.ConfigDict, mesh: Mesh,
@@ -285,7 +288,8 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
     used = mem["total"] + program.resident_bytes
     # XLA counts a loop body once; the jaxpr count takes every iteration of scans (SCORER's
     # chunked matching), so the larger of the two is the better lower bound.
-    flops = max(measured["flops"] or 0.0, measured["dot_flops"])
+    dot_flops = measured["dot_flops"] / (1 if program.traced_per_chip else chips)
+    flops = max(measured["flops"] or 0.0, dot_flops)
     compute_s = flops / chip.bf16_flop_per_s
     memory_s = (measured["bytes_accessed"] or 0.0) / chip.hbm_bytes_per_s
     bound_s = max(compute_s, memory_s)
@@ -305,7 +309,7 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
         "resident_bytes": program.resident_bytes, "hbm_used": used,
         "hbm_available": room, "hbm_fraction": used / room,
         "fits": used <= room, "over_bytes": max(0, used - room),
-        "xla_flops": measured["flops"], "dot_flops": measured["dot_flops"], "flops": flops,
+        "xla_flops": measured["flops"], "dot_flops": dot_flops, "flops": flops,
         "loops_counted_once": measured["loops_counted_once"],
         "bytes_accessed": measured["bytes_accessed"],
         "roofline_compute_s": compute_s, "roofline_memory_s": memory_s,
