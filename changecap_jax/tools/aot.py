@@ -18,10 +18,11 @@ task) for the named slice with libtpu's compiler, on this machine's CPU
   and the examples/s it implies (XLA's own ``optimal_seconds`` comes back negative from this
   compiler, so the bound is computed from the published peaks);
 * an estimate of the largest global batch that fits: the state, code and outputs as a fixed
-  part, the batch and every temporary as proportional to the batch (from this one compile;
-  it errs on the small side, see ``aot_programs.analyse``).
+  part, the batch and every temporary as proportional to the batch (from this one compile,
+  ``aot_programs.analyse``). Too high for a loss whose memory grows faster than the batch
+  (SCORER's batch-wide matching, quadratic): compile at the estimate to confirm.
 
-A program over the chip's HBM (by the compiler's refusal or by the published capacity) ends
+A program over the chip's HBM available (by the compiler's refusal or by its count) ends
 the command with one ``error:`` line saying by how much, exit status 2, after the report.
 
 The slice is named as libtpu spells it (``v5e:2x2``, ``v5e:4x4`` = 16 chips on 4 hosts,
@@ -173,7 +174,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
             f"{p['roofline_memory_s'] * 1e3:.2f} ms HBM traffic -> >= "
             f"{p['roofline_s'] * 1e3:.2f} ms ({p['bound_by']}-bound), <= "
             f"{p['roofline_per_s']:,.0f} {unit}/s",
-            f"  largest global batch that fits (estimate): {p['largest_batch_estimate']} "
+            f"  largest global batch that fits (estimate, linear in the batch: compile at it "
+            f"to confirm): {p['largest_batch_estimate']} "
             f"{unit}; compiled in {p['lower_s'] + p['compile_s']:.0f} s",
         ]
     return lines

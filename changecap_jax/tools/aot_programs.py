@@ -296,8 +296,10 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
     per_chip_batch = program.batch / chips
     # Batch-independent: the state (parameters, optimiser), code, outputs and whatever stays
     # resident; the rest (the batch and every temporary) is taken as proportional to the
-    # batch, which overstates the per-example cost by the few batch-independent temporaries
-    # (gradients among them): the estimate errs on the small side.
+    # batch. That overstates the per-example cost by the batch-independent temporaries (the
+    # gradients), and understates it where memory grows faster than the batch: SCORER's
+    # batch-wide matching (estimated 1,504 from batch 128 on a v5litepod-8; compiled at 1,504
+    # it needs 20.5 GiB per chip of the 15.75: docs/accelerators.md).
     per_unit = (program.batch_bytes + mem["temporaries"]) / per_chip_batch
     fixed = used - program.batch_bytes - mem["temporaries"]
     room = chip.hbm_available
