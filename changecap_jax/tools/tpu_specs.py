@@ -1,0 +1,128 @@
+"""Published TPU chip figures and slice names, for ``python -m changecap_jax aot``.
+
+Each chip's HBM capacity, HBM bandwidth and bf16 peak are the figures of its Google Cloud TPU
+documentation page (``Chip.source``): bandwidths in GB/s (10^9 bytes), capacities in GiB (the
+pages write "GB" for some: the memories are powers of two, 16 GiB on a v5e). A program gets a
+little less: ``hbm_available`` is what libtpu's compiler (0.0.42.1) says is available per chip
+when it refuses a program that does not fit ("exceeds available HBM (15.75G)" on v5e, in
+GiB), measured by compiling an oversized program for each chip; the fit checks use it. The
+pages publish no float32 peak: under JAX's default matmul precision a float32 matmul on a TPU
+runs as one bf16 pass, so the bf16 peak bounds both.
+
+A slice is named as libtpu spells its topology (``v5e:2x2``, ``v4:2x2x1``, ``v5p:2x2x2``,
+``v6e:4x4``), or by its Cloud accelerator type (``v5litepod-8``, ``v4-8``, ``v5p-16``,
+``v6e-8``): see :func:`resolve_topology`. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from changecap_jax.errors import UserError
+
+GB, GIB = 10**9, 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU chip generation's published figures (module docstring)."""
+
+    name: str  # as libtpu's topology names spell it: v4, v5e, v5p, v6e
+    device_kind: str  # as JAX reports the devices of its topology
+    hbm_bytes: int  # published capacity
+    hbm_available: int  # what the compiler lets a program use (module docstring)
+    hbm_bytes_per_s: float
+    bf16_flop_per_s: float
+    source: str  # the page the three figures come from
+    cores_per_chip: int  # TensorCores; v4 and v5p run both as one JAX device ("megacore")
+
+
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    # "32 GiB, 1200 GBps", "275 teraflops (bf16 or int8)"
+    Chip("v4", "TPU v4", 32 * GIB, int(30.75 * GIB), 1200 * GB, 275e12,
+         "https://cloud.google.com/tpu/docs/v4", 2),
+    # "16 GB, 819 GBps", "197 TFLOPs" (bf16)
+    Chip("v5e", "TPU v5 lite", 16 * GIB, int(15.75 * GIB), 819 * GB, 197e12,
+         "https://cloud.google.com/tpu/docs/v5e", 1),
+    # "95 GB, 2765 GBps", "459 TFLOPs" (bf16)
+    Chip("v5p", "TPU v5", 95 * GIB, int(95.74 * GIB), 2765 * GB, 459e12,
+         "https://cloud.google.com/tpu/docs/v5p", 2),
+    # "32 GB", "1638 GBps", "918 TFLOPs" (bf16)
+    Chip("v6e", "TPU v6 lite", 32 * GIB, int(31.25 * GIB), 1638 * GB, 918e12,
+         "https://cloud.google.com/tpu/docs/v6e", 1),
+)}
+
+# Slice shapes by chip count. v5e and v6e slices are 2-D; v4 and v5p 3-D (their Cloud names
+# count TensorCores, two per chip).
+SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+             256: "16x16"}
+SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+             256: "4x8x8"}
+CLOUD_PREFIXES = {"v4": "v4", "v5p": "v5p", "v5e": "v5e", "v5litepod": "v5e", "v6e": "v6e"}
+# The Cloud single-host shapes of the 2-D chips: 8 chips on one host (libtpu's default
+# layout gives a 2x4 slice two hosts of 4 chips).
+EIGHT_CHIP_HOST = (2, 4, 1)
+
+
+class TopologyError(UserError, ValueError):
+    """A topology name this command does not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A slice to compile for: libtpu's name and the options of ``get_topology_desc``."""
+
+    name: str  # libtpu's topology name, e.g. "v5e:2x4"
+    chip: Chip
+    chips: int
+    options: dict  # chip_config_name, chips_per_host_bounds
+    alias: str = ""  # the Cloud accelerator type it was given as, if any
+
+    @property
+    def label(self) -> str:
+        return f"{self.alias} ({self.name})" if self.alias else self.name
+
+
+def known_names() -> str:
+    """Examples of accepted names, for error messages."""
+    return ("libtpu topologies such as v5e:2x2, v5e:4x4, v4:2x2x1, v5p:2x2x2, v6e:2x4, or Cloud "
+            "accelerator types such as v5litepod-8, v4-8, v5p-16, v6e-8")
+
+
+def _chip_count(shape: str) -> int:
+    return math.prod(int(d) for d in shape.split("x"))
+
+
+def resolve_topology(name: str) -> Topology:
+    """The slice ``name`` names: a libtpu topology (``v5e:4x4``) or a Cloud accelerator type
+    (``v5litepod-16``; ``v5e-16`` is read the same). v4 is compiled as one device per chip
+    (libtpu's "megacore" chip config, as Cloud TPU VMs run it); v5p is that by default."""
+    name = name.strip()
+    libtpu = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})", name)
+    if libtpu:
+        chip, shape = CHIPS[libtpu.group(1)], libtpu.group(2)
+        want = 3 if chip.cores_per_chip == 2 else 2
+        if shape.count("x") + 1 != want:
+            raise TopologyError(f"topology {name!r}: {chip.name} slices are {want}-D "
+                                f"(e.g. {chip.name}:{'2x2x1' if want == 3 else '2x2'})")
+        return Topology(name, chip, _chip_count(shape), _chip_options(chip))
+    cloud = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name)
+    if cloud:
+        chip = CHIPS[CLOUD_PREFIXES[cloud.group(1)]]
+        chips = int(cloud.group(2)) // chip.cores_per_chip
+        shapes = SHAPES_3D if chip.cores_per_chip == 2 else SHAPES_2D
+        if chips not in shapes:
+            raise TopologyError(f"accelerator type {name!r}: no {chip.name} slice of "
+                                f"{chips} chips known here (known: {sorted(shapes)} chips)")
+        options = _chip_options(chip)
+        if chip.cores_per_chip == 1 and chips >= 8:
+            options["chips_per_host_bounds"] = EIGHT_CHIP_HOST
+        return Topology(f"{chip.name}:{shapes[chips]}", chip, chips, options, alias=name)
+    raise TopologyError(f"unknown topology {name!r}; use {known_names()}")
+
+
+def _chip_options(chip: Chip) -> dict:
+    # One JAX device per chip: libtpu's default for v4 is one per TensorCore.
+    return {"chip_config_name": "megacore"} if chip.cores_per_chip == 2 else {}

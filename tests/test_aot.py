@@ -1,0 +1,143 @@
+"""``python -m changecap_jax aot``: a preset's programs compiled for a TPU slice on this CPU.
+
+The slice names, the fit arithmetic and the one-line refusals run everywhere; the compiles
+need libtpu (requirements-tpu-check.txt) and skip with that message without it: one refusal
+of a batch that does not fit on a 4-chip slice (exit 2, one line) and one compile of the train
+step and decoding on a 16-chip slice of 4 hosts, both of the tiny DIRL preset (about 40 s each
+on 2 cores); the same compile on the 4-chip slice is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from changecap_jax.tools import aot, aot_programs, aot_table, tpu_specs
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU, reason=f"libtpu is not installed (pip install {aot.LIBTPU_PIN}, "
+    "requirements-tpu-check.txt): the aot compiles are skipped")
+
+
+def _aot(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "changecap_jax", "aot",
+                           "--config=configs/dirl.py", *flags], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ))
+
+
+@pytest.mark.parametrize("name, libtpu_name, chips, options", [
+    ("v5e:2x2", "v5e:2x2", 4, {}),
+    ("v5e:4x4", "v5e:4x4", 16, {}),
+    ("v4:2x2x1", "v4:2x2x1", 4, {"chip_config_name": "megacore"}),
+    ("v4-8", "v4:2x2x1", 4, {"chip_config_name": "megacore"}),
+    ("v5p-16", "v5p:2x2x2", 8, {"chip_config_name": "megacore"}),
+    ("v5litepod-8", "v5e:2x4", 8, {"chips_per_host_bounds": (2, 4, 1)}),
+    ("v6e-8", "v6e:2x4", 8, {"chips_per_host_bounds": (2, 4, 1)}),
+])
+def test_slice_names(name, libtpu_name, chips, options):
+    topology = tpu_specs.resolve_topology(name)
+    assert (topology.name, topology.chips, topology.options) == (libtpu_name, chips, options)
+
+
+@pytest.mark.parametrize("name", ["v9:2x2", "v5e:2x2x1", "v4:2x2", "v5litepod-12", "tpu"])
+def test_unknown_slice_names_are_user_errors(name):
+    with pytest.raises(tpu_specs.TopologyError):
+        tpu_specs.resolve_topology(name)
+
+
+def _program(batch: int = 64, batch_bytes: int = 2**20) -> aot_programs.Program:
+    return aot_programs.Program("train_step", None, (), batch, "examples", batch_bytes)
+
+
+def test_the_fit_estimate_takes_the_batch_and_temporaries_as_proportional():
+    chip = tpu_specs.CHIPS["v5e"]
+    gib = 2**30
+    memory = {"arguments": gib + 2**20, "outputs": gib, "aliased": gib, "temporaries": 3 * gib,
+              "generated_code": 0}
+    memory["total"] = memory["arguments"] + memory["temporaries"]
+    measured = {"memory": memory, "flops": 1e12, "bytes_accessed": 8.19e9, "dot_flops": 1.5e12,
+                "loops_counted_once": 0, "lower_s": 1.0, "compile_s": 1.0}
+    r = aot_programs.analyse(_program(), measured, chip, chips=4)  # 16 examples per chip
+    per_example = (2**20 + 3 * gib) / 16
+    assert r["largest_batch_estimate"] == int((chip.hbm_available - gib) // per_example) * 4
+    assert r["fits"] and r["hbm_used"] == 4 * gib + 2**20
+    # The larger FLOP count (the traced one: a loop XLA counted once); 8.19 GB at 819 GB/s:
+    # 10 ms, above 1.5 TFLOP at 197 TFLOP/s (7.6 ms).
+    assert r["flops"] == 1.5e12 and r["bound_by"] == "memory"
+    assert r["roofline_s"] == pytest.approx(0.01) and r["roofline_per_s"] == pytest.approx(6400)
+
+
+def test_the_docs_table_has_a_row_per_program(tmp_path):
+    chip = tpu_specs.CHIPS["v6e"]
+    memory = {"arguments": 2**30, "outputs": 0, "aliased": 0, "temporaries": 2**30,
+              "generated_code": 0, "total": 2**31}
+    measured = {"memory": memory, "flops": 9.18e11, "bytes_accessed": 1e9, "dot_flops": 0.0,
+                "loops_counted_once": 0, "lower_s": 2.0, "compile_s": 3.0}
+    results = {"preset": "configs/dirl.py:clevr_change", "compute_dtype": "bfloat16",
+               "accelerator_type": "v6e-16", "topology": "v6e:4x4", "chips": 16, "hosts": 2,
+               "programs": [aot_programs.analyse(_program(128), measured, chip, chips=16)]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    lines = aot_table.table([str(path)]).splitlines()
+    assert len(lines) == 3 and lines[1].count("|") == lines[0].count("|")
+    assert lines[2].startswith("| dirl.py:clevr_change bfloat16 | v6e-16 (16 chips, 2 hosts) | "
+                               "train_step | 128 (8) | 2.00 of 31.25 GiB | 918 | 1.0 ms "
+                               "(compute) | 128,000 |")
+
+
+def test_the_compilers_refusal_becomes_one_line_saying_by_how_much():
+    error = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+             "temporaries (17.75G) exceeds available HBM (15.75G).\nmore detail")
+    line = aot_programs.refusal_message(_program(batch=4096), error)
+    assert "\n" not in line and "4096 examples does not fit" in line
+    assert "17.75 GiB" in line and "2.00 GiB over the 15.75 GiB available" in line
+
+
+def test_an_unknown_slice_is_one_line_and_exit_2():
+    result = _aot("--topology=v9z:2x2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "unknown topology 'v9z:2x2'" in result.stderr
+
+
+def test_without_libtpu_the_command_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(aot.LibtpuMissingError, match="pip install libtpu==0.0.42.1"):
+        aot.check_libtpu()
+
+
+@needs_libtpu
+def test_a_batch_that_does_not_fit_is_refused_with_one_line():
+    # 2^20 examples of the tiny preset: terabytes of temporaries per chip.
+    result = _aot("--topology=v5e:2x2", "--programs=train_step", "--batch_size=1048576")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: train_step at global batch 1048576")
+    assert "over the 15.75 GiB available" in lines[0]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, hosts", [
+    ("v5e:4x4", 4), pytest.param("v5e:2x2", 1, marks=pytest.mark.slow)])
+def test_the_tiny_preset_compiles_for_a_slice(tmp_path, topology, hosts):
+    programs = "train_step,decode"
+    out = tmp_path / "aot.json"
+    result = _aot(f"--topology={topology}", f"--programs={programs}", "--batch_size=32",
+                  "--eval_batch_size=32", f"--json={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert (r["topology"], r["hosts"], r["device_kind"]) == (topology, hosts, "TPU v5 lite")
+    assert [p["program"] for p in r["programs"]] == programs.split(",")
+    for p in r["programs"]:
+        assert p["fits"] and 0 < p["hbm_used"] < p["hbm_available"]
+        assert p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_per_s"] > 0
+        assert p["largest_batch_estimate"] >= 32
+    assert "HBM per chip" in result.stdout and "roofline" in result.stdout
