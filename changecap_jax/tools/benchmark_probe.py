@@ -55,19 +55,25 @@ from changecap_jax.data.synthetic import render, scenes
 from changecap_jax.features import grid
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("decompose", [], "Feature sources (grid@HxWxC / stats[@HxW]) for which to "
-                  "re-render the test examples with only the camera or only the light changed "
-                  "(decompose_distractors); empty: skip.")
-flags.DEFINE_string("data_dir", "", "Datasets root ('' = $CHANGECAP_DATA_DIR or the cache).")
-flags.DEFINE_string("variant", "moderate", "Distractor strength of the synthetic set.")
-flags.DEFINE_list("feature_shape", ["8", "8", "64"], "The dataset's stored grid H,W,C.")
-flags.DEFINE_integer("num_train", 3000, "Synthetic option num_train (selects the dataset).")
-flags.DEFINE_list("features", ["grid", "stats", "grid@8x8x128", "stats@16x16"],
-                  "Feature sources to compare (see the module docstring).")
-flags.DEFINE_list("types", ["color", "material"], "Change types probed against 'distractor'.")
-flags.DEFINE_enum("pair", "pooled", ["pooled", "absflat", "local"], "Pair representation.")
-flags.DEFINE_list("lambdas", ["0.1", "1", "10", "100", "1000", "10000"],
-                  "Ridge penalties tried; the best on val is scored on test.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined when it runs (the probe's functions are imported by tests
+    beside other commands that define flags of the same names)."""
+    flags.DEFINE_list("decompose", [], "Feature sources (grid@HxWxC / stats[@HxW]) for which to "
+                      "re-render the test examples with only the camera or only the light changed "
+                      "(decompose_distractors); empty: skip.")
+    flags.DEFINE_string("data_dir", "", "Datasets root ('' = $CHANGECAP_DATA_DIR or the cache).")
+    flags.DEFINE_string("variant", "moderate", "Distractor strength of the synthetic set.")
+    flags.DEFINE_list("feature_shape", ["8", "8", "64"], "The dataset's stored grid H,W,C.")
+    flags.DEFINE_integer("num_train", 3000, "Synthetic option num_train (selects the dataset).")
+    flags.DEFINE_list("features", ["grid", "stats", "grid@8x8x128", "stats@16x16"],
+                      "Feature sources to compare (see the module docstring).")
+    flags.DEFINE_list("types", ["color", "material"], "Change types probed against 'distractor'.")
+    flags.DEFINE_enum("pair", "pooled", ["pooled", "absflat", "local"], "Pair representation.")
+    flags.DEFINE_list("lambdas", ["0.1", "1", "10", "100", "1000", "10000"],
+                      "Ridge penalties tried; the best on val is scored on test.")
+
 
 DISTRACTOR = "distractor"
 VIEWS = ("before", "after_semantic", "after_distractor")
@@ -325,4 +331,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

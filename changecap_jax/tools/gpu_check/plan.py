@@ -12,6 +12,7 @@ PAPER_PRESETS = {"dirl": "clevr_change", "scorer": "clevr_change",
                  "idc_pcl": "finetune/clevr_change"}
 TINY_PRESETS = {"dirl": "synthetic", "scorer": "synthetic", "subtraction": "synthetic",
                 "cheers": "synthetic", "idc_pcl": "finetune/synthetic"}
+TRAINED = ("dirl", "synthetic")  # the model the training part trains, and its preset
 # bfloat16 first, for every model, then float32: a GPU trains in bfloat16, so a budget spent
 # early leaves the float32 jobs out rather than some models.
 DTYPES = ("bfloat16", "float32")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-CONFIG = ("dirl", "synthetic")  # the model trained and its preset
+from changecap_jax.tools.gpu_check.plan import TRAINED
 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     from changecap_jax.trainers import caption_step, optimizers
 
     data = synthetic_data.load(spec["data"])
-    config = load_config(*CONFIG)
+    config = load_config(*TRAINED)
     config.batch_size = spec["batch"]
     steps = spec["steps"]
     mesh = parallel.make_mesh(1)  # one device on either backend: the same program
