@@ -101,8 +101,12 @@ class _Relay:
         self.sink.write(line)
         self.sink.flush()
 
-    def finish(self, drop_held: bool) -> None:
+    def drain(self) -> None:
+        """Waits until the child's stderr is read to its end (or 10 s)."""
         self.thread.join(timeout=10)
+
+    def finish(self, drop_held: bool) -> None:
+        self.drain()
         if not drop_held:
             self._release()
 
@@ -121,6 +125,7 @@ def run_watched(process_id: int | None, num_processes: int | None, peer_timeout_
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    relay.drain()  # the fatal record may still be in the pipe when the child has ended
     lost = lost_processes(bytes(relay.log)) if status != 0 else None
     relay.finish(drop_held=lost is not None)
     if lost is not None:

@@ -365,13 +365,15 @@ def restore_train_state(manager: ocp.CheckpointManager, state: Any, streams: dic
         args = {"state": ocp.args.StandardRestore(state)}
         other_layout.clear()
         for name, iterator in streams.items():
-            item_dir = paths.path(manager.directory) / str(step) / name
             if name not in items:
                 logging.info("checkpoint %d has no %s stream: it starts fresh", step, name)
-            elif data_state_file(item_dir) == _grain_state_file():
+                continue
+            item_dir = paths.path(manager.directory) / str(step) / name
+            state_file = data_state_file(item_dir)
+            if state_file == _grain_state_file():
                 args[name] = grain.checkpoint.CheckpointRestore(iterator)
             else:
-                other_layout[name] = item_dir / data_state_file(item_dir)
+                other_layout[name] = item_dir / state_file
         return args
 
     step, restored = restore(manager, args_for, step=step, order=order,
