@@ -21,7 +21,7 @@ COMMANDS = {
     "convert": ("changecap_jax.convert.__main__", "an official PyTorch checkpoint as a workdir"),
     "benchmark": ("changecap_jax.tools.benchmark", "time a preset's step, decoding and input"),
     "aot": ("changecap_jax.tools.aot",
-            "compile a preset's programs for a TPU slice here: memory, FLOPs, roofline"),
+            "compile a preset's programs for a TPU slice or GPUs here: memory, roofline"),
     "gpu_check": ("changecap_jax.tools.gpu_check.__main__",
                   "time every model on a GPU host, train and extract there and on the CPU"),
     "benchmark_matching": ("changecap_jax.tools.benchmark_matching",

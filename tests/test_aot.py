@@ -1,10 +1,13 @@
-"""``python -m changecap_jax aot``: a preset's programs compiled for a TPU slice on this CPU.
+"""``python -m changecap_jax aot``: a preset's programs compiled for a TPU slice (or GPUs) on
+this CPU.
 
 The slice names, the fit arithmetic and the one-line refusals run everywhere; the compiles
 need libtpu (requirements-tpu-check.txt) and skip with that message without it: one refusal
 of a batch that does not fit on a 4-chip slice (exit 2, one line) and one compile of the train
 step and decoding on a 16-chip slice of 4 hosts, both of the tiny DIRL preset (about 40 s each
-on 2 cores); the same compile on the 4-chip slice is marked slow.
+on 2 cores); the same compile on the 4-chip slice is marked slow. The GPU compile (8 H100s on
+2 hosts, about 30 s) needs JAX's CUDA plugin, which CI does not install (aot.CUDA_PLUGIN_PINS):
+it skips without it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from changecap_jax.tools import aot, aot_programs, aot_table, tpu_specs
+from changecap_jax.tools import aot, aot_programs, aot_table, gpu_specs, tpu_specs
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
     not HAS_LIBTPU, reason=f"libtpu is not installed (pip install {aot.LIBTPU_PIN}, "
     "requirements-tpu-check.txt): the aot compiles are skipped")
+HAS_CUDA_PLUGIN = aot.cuda_plugin_installed()
+needs_cuda_plugin = pytest.mark.skipif(
+    not HAS_CUDA_PLUGIN, reason=f"JAX's CUDA plugin is not installed (pip install "
+    f"{aot.CUDA_PLUGIN_PINS}): the GPU compile is skipped")
 
 
 def _aot(*flags: str) -> subprocess.CompletedProcess:
@@ -53,6 +60,33 @@ def test_unknown_slice_names_are_user_errors(name):
         tpu_specs.resolve_topology(name)
 
 
+@pytest.mark.parametrize("name, hosts, chips", [
+    ("h100:8", 1, 8), ("h100:2x8", 2, 16), ("a100:1", 1, 1), ("h200:4x4", 4, 16)])
+def test_gpu_names(name, hosts, chips, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    topology = aot.resolve_topology(name)
+    card = gpu_specs.CARDS[name.partition(":")[0]]
+    assert (topology.platform, topology.chips) == ("cuda", chips)
+    assert topology.options["topology"] == f"1x{hosts}x{chips // hosts}"
+    assert f'device_description_str: "{card.chip.device_kind}"' in topology.options[
+        "target_config"]
+    assert topology.chip.hbm_available == int(0.75 * card.chip.hbm_bytes)
+
+
+@pytest.mark.parametrize("name", ["h100:0", "h100:2x", "h100:17", "h100:x8", "h100"])
+def test_bad_gpu_names_are_user_errors(name):
+    with pytest.raises(tpu_specs.TopologyError):
+        aot.resolve_topology(name)
+
+
+def test_a_gpu_gets_the_memory_pool_the_run_will_have(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert aot.resolve_topology("h100:8").chip.hbm_available == int(0.95 * 80 * 2**30)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "2")
+    with pytest.raises(tpu_specs.TopologyError):
+        aot.resolve_topology("h100:8")
+
+
 def _program(batch: int = 64, batch_bytes: int = 2**20) -> aot_programs.Program:
     return aot_programs.Program("train_step", None, (), batch, "examples", batch_bytes)
 
@@ -73,6 +107,20 @@ def test_the_fit_estimate_takes_the_batch_and_temporaries_as_proportional():
     # 10 ms, above 1.5 TFLOP at 197 TFLOP/s (7.6 ms).
     assert r["flops"] == 1.5e12 and r["bound_by"] == "memory"
     assert r["roofline_s"] == pytest.approx(0.01) and r["roofline_per_s"] == pytest.approx(6400)
+
+
+def test_a_gpus_float32_programs_are_bounded_by_its_tf32_peak():
+    chip = gpu_specs.CARDS["h100"].chip
+    memory = {"arguments": 0, "outputs": 0, "aliased": 0, "temporaries": 2**30,
+              "generated_code": 0, "total": 2**30}
+    measured = {"memory": memory, "flops": 494.5e12, "bytes_accessed": 0.0, "dot_flops": 0.0,
+                "loops_counted_once": 0, "lower_s": 1.0, "compile_s": 1.0}
+    f32 = aot_programs.analyse(_program(), measured, chip, chips=8, compute_dtype="float32")
+    bf16 = aot_programs.analyse(_program(), measured, chip, chips=8)
+    assert f32["roofline_s"] == pytest.approx(1.0) and bf16["roofline_s"] == pytest.approx(0.5)
+    # A TPU's float32 matmuls run as one bf16 pass: the same peak.
+    tpu = tpu_specs.CHIPS["v5e"]
+    assert tpu.peak_flop_per_s("float32") == tpu.peak_flop_per_s("bfloat16")
 
 
 def test_the_docs_table_has_a_row_per_program(tmp_path):
@@ -108,10 +156,12 @@ def test_an_unknown_slice_is_one_line_and_exit_2():
     assert "unknown topology 'v9z:2x2'" in result.stderr
 
 
-def test_without_libtpu_the_command_says_what_to_install(monkeypatch):
+def test_without_a_compiler_the_command_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(aot.LibtpuMissingError, match="pip install libtpu==0.0.42.1"):
         aot.check_libtpu()
+    with pytest.raises(aot.CudaPluginMissingError, match="pip install jax-cuda13-plugin"):
+        aot.check_cuda_plugin()
 
 
 @needs_libtpu
@@ -141,3 +191,18 @@ def test_the_tiny_preset_compiles_for_a_slice(tmp_path, topology, hosts):
         assert p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_per_s"] > 0
         assert p["largest_batch_estimate"] >= 32
     assert "HBM per chip" in result.stdout and "roofline" in result.stdout
+
+
+@needs_cuda_plugin
+def test_the_tiny_preset_compiles_for_gpus(tmp_path):
+    out = tmp_path / "aot.json"
+    result = _aot("--topology=h100:2x4", "--programs=train_step,decode", "--batch_size=32",
+                  "--eval_batch_size=32", f"--json={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert (r["platform"], r["hosts"], r["device_kind"]) == ("cuda", 2, "NVIDIA H100 80GB HBM3")
+    assert [p["program"] for p in r["programs"]] == ["train_step", "decode"]
+    for p in r["programs"]:
+        # No cost analysis from the plugin's executable: aot_programs.module_cost's.
+        assert p["fits"] and 0 < p["hbm_used"] < p["hbm_available"]
+        assert p["xla_flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_per_s"] > 0

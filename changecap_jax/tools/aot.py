@@ -1,4 +1,4 @@
-"""Ahead-of-time check of a training run on a TPU slice, from a machine without one.
+"""Ahead-of-time check of a training run on a TPU slice or GPUs, from a machine without them.
 
     python -m changecap_jax aot --config=configs/dirl.py:clevr_change --topology=v5e:4x4 \
         [--batch_size=N] [--eval_batch_size=N] [--config.compute_dtype=bfloat16] \
@@ -6,17 +6,19 @@
 
 Compiles the sharded programs a training run of the config compiles (the train step and the
 evaluation's decoding; for an IDC-PCL pretraining preset, the update of each pretraining
-task) for the named slice with libtpu's compiler, on this machine's CPU
-(``tools/aot_programs.py``), and prints per chip, for each program:
+task) for the named slice with libtpu's compiler (for GPUs, with the compiler of JAX's CUDA
+plugin), on this machine's CPU (``tools/aot_programs.py``), and prints per chip (GPU), for each
+program:
 
 * HBM used (arguments, of them the batch; temporaries; outputs not aliased to the donated
   arguments; generated code; for decoding, the train state that stays resident) against the
-  chip's published HBM (``tools/tpu_specs.py``);
+  chip's published HBM (``tools/tpu_specs.py``; a GPU's: ``tools/gpu_specs.py``);
 * FLOPs (the larger of XLA's count and the traced matmuls with every loop iteration: XLA
   counts a loop body once) and bytes accessed, by XLA's cost analysis;
 * a roofline lower bound on the step's time, max(FLOPs / bf16 peak, bytes / HBM bandwidth),
-  and the examples/s it implies (XLA's own ``optimal_seconds`` comes back negative from this
-  compiler, so the bound is computed from the published peaks);
+  and the examples/s it implies (XLA's own ``optimal_seconds`` comes back negative from the TPU
+  compiler, so the bound is computed from the published peaks; a GPU's float32 programs use
+  its TF32 peak);
 * an estimate of the largest global batch that fits: the state, code and outputs as a fixed
   part, the batch and every temporary as proportional to the batch (from this one compile,
   ``aot_programs.analyse``). Too high for a loss whose memory grows faster than the batch
@@ -27,11 +29,15 @@ the command with one ``error:`` line saying by how much, exit status 2, after th
 
 The slice is named as libtpu spells it (``v5e:2x2``, ``v5e:4x4`` = 16 chips on 4 hosts,
 ``v4:2x2x1``, ``v5p:2x2x2``, ``v6e:2x4``) or by its Cloud accelerator type (``v5litepod-8``,
-``v4-8``, ``v5p-8``, ``v6e-8``). Needs ``pip install libtpu==0.0.42.1`` (the version
-``jax[tpu]==0.10.2`` pins; requirements-tpu-check.txt); runs with ``JAX_PLATFORMS=cpu``, which
-it sets itself, as it sets ``TPU_SKIP_MDS_QUERY=1`` (no metadata server off Cloud) and
-``TPU_WORKER_HOSTNAMES=localhost`` and ``TPU_HOST_BOUNDS=1,1,1`` (libtpu otherwise warns that
-it cannot find a TPU VM's workers).
+``v4-8``, ``v5p-8``, ``v6e-8``); GPUs by card, hosts and GPUs per host (``h100:8``,
+``h100:2x8``; ``tools/gpu_specs.py``). A TPU slice needs ``pip install libtpu==0.0.42.1``
+(the version ``jax[tpu]==0.10.2`` pins; requirements-tpu-check.txt). The command runs with
+``JAX_PLATFORMS=cpu``, which it sets itself, as it sets ``TPU_SKIP_MDS_QUERY=1`` (no metadata
+server off Cloud) and ``TPU_WORKER_HOSTNAMES=localhost`` and ``TPU_HOST_BOUNDS=1,1,1``
+(libtpu otherwise warns that it cannot find a TPU VM's workers). GPUs need JAX's CUDA plugin
+(``pip install jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2``, 126 MiB of wheels; not
+NVIDIA's CUDA wheels), which compiles for a described card with none present; a GPU's memory
+is the pool JAX's client will take there (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75).
 docs/accelerators.md has measured results.
 """
 
@@ -47,16 +53,23 @@ from ml_collections import config_flags
 
 from changecap_jax import cli, cpu
 from changecap_jax.errors import UserError
-from changecap_jax.tools import tpu_specs
+from changecap_jax.tools import gpu_specs, tpu_specs
 
 FLAGS = flags.FLAGS
 LIBTPU_PIN = "libtpu==0.0.42.1"  # what jax[tpu]==0.10.2 installs
+# The CUDA plugin at jax's version; without jax[cuda13]'s NVIDIA wheels, which only running needs.
+CUDA_PLUGIN_PINS = "jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2"
+CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda13"
 PROGRAMS = ("train_step", "decode")  # of a fine-tuning config; pretraining has its tasks'
 GIB = 2**30
 
 
 class LibtpuMissingError(UserError):
     """libtpu, the TPU compiler, is not installed."""
+
+
+class CudaPluginMissingError(UserError):
+    """JAX's CUDA plugin, the GPU compiler, is not installed."""
 
 
 def set_environment() -> None:
@@ -80,15 +93,38 @@ def check_libtpu() -> None:
                                  f"TPU compiler it holds; pip install {LIBTPU_PIN}")
 
 
+def cuda_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec(CUDA_PLUGIN_MODULE) is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def check_cuda_plugin() -> None:
+    if not cuda_plugin_installed():
+        raise CudaPluginMissingError(f"JAX's CUDA plugin is not installed: the aot check "
+                                     f"compiles for GPUs with it; pip install "
+                                     f"{CUDA_PLUGIN_PINS}")
+
+
+def resolve_topology(name: str) -> tpu_specs.Topology:
+    """GPUs (``h100:8``, ``gpu_specs``) or else a TPU slice (``tpu_specs``)."""
+    return gpu_specs.resolve_topology(name) or tpu_specs.resolve_topology(name)
+
+
 def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
         shapes: Any = None) -> dict[str, Any]:
     """Compiles and analyses ``config``'s programs for the slice ``topology_name``; returns
     the results (``--json``'s content)."""
-    topology = tpu_specs.resolve_topology(topology_name)
+    topology = resolve_topology(topology_name)
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise UserError(f"--programs: unknown {sorted(unknown)}; choose from {list(PROGRAMS)}")
-    check_libtpu()
+    gpu = topology.platform == "cuda"
+    if gpu:
+        check_cuda_plugin()
+    else:
+        check_libtpu()
     # JAX, imported here: after set_environment, and not for --help or a flag error.
     import jax
 
@@ -102,7 +138,9 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
     if "pretrain" not in config and "train_step" not in programs:
         built = [p for p in built if p.name != "train_step"]
     devices = mesh.devices.flatten()
+    compute_dtype = config.get("compute_dtype", "float32")
     results = {
+        "platform": topology.platform,
         "topology": topology.name, "accelerator_type": topology.alias or None,
         "chips": topology.chips, "hosts": len({d.process_index for d in devices}),
         "device_kind": devices[0].device_kind, "chip": topology.chip.name,
@@ -110,11 +148,14 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
         "hbm_available": topology.chip.hbm_available,
         "hbm_bytes_per_s": topology.chip.hbm_bytes_per_s,
         "bf16_flop_per_s": topology.chip.bf16_flop_per_s,
-        "compute_dtype": config.get("compute_dtype", "float32"),
+        "f32_flop_per_s": topology.chip.peak_flop_per_s("float32"),
+        "memory_fraction": gpu_specs.memory_fraction() if gpu else None,
+        "compute_dtype": compute_dtype,
         "batch_size": config.batch_size, "eval_batch_size": config.eval_batch_size,
         "input_shapes": {"feature_shape": list(shapes.feature_shape),
                          "vocab_size": shapes.vocab_size, "caption_len": shapes.caption_len},
-        "jax": jax.__version__, "libtpu": _libtpu_version(), "programs": [],
+        "jax": jax.__version__, "libtpu": None if gpu else _version("libtpu"),
+        "cuda_plugin": _version("jax-cuda13-plugin") if gpu else None, "programs": [],
     }
     for program in built:
         try:
@@ -122,16 +163,16 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
         except aot_programs.DoesNotFitError as e:  # reported after the programs that fit
             results["refused"] = {"program": program.name, "message": str(e)}
             break
-        results["programs"].append(
-            aot_programs.analyse(program, measured, topology.chip, topology.chips))
+        results["programs"].append(aot_programs.analyse(
+            program, measured, topology.chip, topology.chips, compute_dtype))
     return results
 
 
-def _libtpu_version() -> str | None:
+def _version(distribution: str) -> str | None:
     from importlib import metadata
 
     try:
-        return metadata.version("libtpu")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 
@@ -141,7 +182,9 @@ def _gib(n: float) -> str:
 
 
 def _capacity(results: dict[str, Any]) -> str:
-    return f"{results['hbm_available'] / GIB:.2f} GiB available"
+    pool = (f", JAX's pool of {results['memory_fraction']:g}" if results.get("memory_fraction")
+            else "")
+    return f"{results['hbm_available'] / GIB:.2f} GiB available{pool}"
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
@@ -151,7 +194,10 @@ def report_lines(results: dict[str, Any]) -> list[str]:
              f"({r['chip']}) on {r['hosts']} host(s); compute {r['compute_dtype']}; per chip "
              f"{r['hbm_bytes'] / GIB:.0f} GiB HBM ({_capacity(r)}), "
              f"{r['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
-             f"{r['bf16_flop_per_s'] / 1e12:.0f} bf16 TFLOP/s ({r['chip_source']})"]
+             f"{r['bf16_flop_per_s'] / 1e12:.0f} bf16 TFLOP/s"
+             + (f", {r['f32_flop_per_s'] / 1e12:.0f} TF32" if r.get("platform") == "cuda"
+                else "")
+             + f" ({r['chip_source']})"]
     for p in r["programs"]:
         m = p["memory"]
         unit = p["unit"]
@@ -193,14 +239,15 @@ def check_fits(results: dict[str, Any]) -> None:
             raise DoesNotFitError(
                 f"{p['program']} at global batch {p['batch']} {p['unit']} needs "
                 f"{_gib(p['hbm_used'])} of HBM per chip, {_gib(p['over_bytes'])} over the "
-                f"{_gib(results['hbm_available'])} available on a {results['chip']} chip; the "
+                f"{_gib(results['hbm_available'])} available per {results['chip']} "
+                f"{'GPU' if results.get('platform') == 'cuda' else 'chip'}; the "
                 f"largest global batch that fits is about {p['largest_batch_estimate']} "
                 f"(estimate)")
 
 
 def define_flags() -> None:
     config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=False)
-    flags.DEFINE_string("topology", None, f"The TPU slice: {tpu_specs.known_names()}.")
+    flags.DEFINE_string("topology", None, f"The TPU slice or GPUs: {tpu_specs.known_names()}.")
     flags.DEFINE_integer("batch_size", None, "Global batch size (default: the config's).")
     flags.DEFINE_integer("eval_batch_size", None, "Decode batch size (default: the config's).")
     flags.DEFINE_list("programs", list(PROGRAMS),
@@ -214,7 +261,7 @@ def define_flags() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    # The programs are for TPU although JAX runs on the CPU here: none of the CPU tunings
+    # The programs are for TPU (GPU) although JAX runs on the CPU here: none of the CPU tunings
     # (changecap_jax/cpu/) that cli.run turned on belongs in them.
     cpu.enable(False)
     config = FLAGS.config

@@ -1,16 +1,16 @@
-"""The sharded programs of a training run, compiled for a TPU slice from a CPU machine.
+"""The sharded programs of a training run, compiled for a TPU slice or GPUs from a CPU machine.
 
 :func:`build_programs` makes, from a config alone, the jitted programs a training run of it
 compiles (``captioning.make_train_step`` and the evaluation's ``decoding.decode_ids``, or one
-``pretraining.make_task_step`` per pretraining task), over a ``data`` mesh of the slice's
-compile-only devices (``jax.experimental.topologies``), with abstract arguments: the train
+``pretraining.make_task_step`` per pretraining task), over a ``data`` mesh of the slice's (the
+GPUs') compile-only devices (``jax.experimental.topologies``), with abstract arguments: the train
 state from ``jax.eval_shape`` and batches of the dataset's shapes (``synthetic_inputs``) in its
 stored feature dtype (float16 unless the config's dataset says otherwise). :func:`analyse`
 lowers and compiles one and reads XLA's memory and cost analyses (per chip: the programs are
 SPMD over the mesh).
 
-JAX must run on the CPU platform with libtpu installed; ``tools/aot.py`` sets that up before
-JAX starts.
+JAX must run on the CPU platform with libtpu (for GPUs, JAX's CUDA plugin) installed;
+``tools/aot.py`` sets that up before JAX starts.
 """
 
 from __future__ import annotations
@@ -64,12 +64,13 @@ class Program:
 
 
 def topology_mesh(topology: tpu_specs.Topology) -> Mesh:
-    """A 1-D ``data`` mesh over the slice's compile-only devices (one per chip)."""
-    desc = topologies.get_topology_desc(topology.name, platform="tpu", **topology.options)
+    """A 1-D ``data`` mesh over the slice's compile-only devices (one per chip or GPU)."""
+    desc = topologies.get_topology_desc(topology.name, platform=topology.platform,
+                                        **topology.options)
     devices = list(desc.devices)
     if len(devices) != topology.chips:
-        raise RuntimeError(f"{topology.name}: libtpu made {len(devices)} devices for "
-                           f"{topology.chips} chips")
+        raise RuntimeError(f"{topology.name}: the {topology.platform} compiler made "
+                           f"{len(devices)} devices for {topology.chips} chips")
     return Mesh(np.asarray(devices), (parallel.DATA_AXIS,))
 
 
@@ -253,9 +254,31 @@ def compile_program(program: Program) -> dict[str, Any]:
         raise DoesNotFitError(refusal_message(program, str(e))) from e
     compile_s = time.perf_counter() - t0 - lower_s
     dots = flop_count.jaxpr_dot_flops(traced.jaxpr)
-    return {"memory": _memory(compiled), **xla_cost(compiled), "dot_flops": dots.flops,
+    cost = xla_cost(compiled)
+    if cost["flops"] is None and cost["bytes_accessed"] is None:
+        cost = module_cost(compiled)
+    return {"memory": _memory(compiled), **cost, "dot_flops": dots.flops,
             "loops_counted_once": dots.unknown_trip_count_loops,
             "lower_s": lower_s, "compile_s": compile_s}
+
+
+def module_cost(compiled: Any) -> dict[str, float | None]:
+    """XLA's cost analysis of the compiled (optimised) module, run by the CPU client: the CUDA
+    plugin's compile-only executable has none ("GetCostAnalysis is not supported"). The
+    analysis is XLA's generic one (per fusion, its operands and outputs), which does not know
+    library calls (cuBLAS, cuDNN): they add nothing, so FLOPs take the traced matmuls too.
+    None where jaxlib has no such entry point."""
+    try:  # private: jaxlib's binding of HloCostAnalysis
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        modules = compiled.runtime_executable().hlo_modules()
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), modules[0])
+    except (AttributeError, ImportError, jax.errors.JaxRuntimeError):
+        return {"flops": None, "bytes_accessed": None}
+    return {"flops": float(cost["flops"]) if "flops" in cost else None,
+            "bytes_accessed": (float(cost["bytes accessed"]) if "bytes accessed" in cost
+                               else None)}
 
 
 # libtpu's refusal: "... the total memory required for HLO temporaries (5.84T) exceeds
@@ -280,17 +303,18 @@ def refusal_message(program: Program, error: str) -> str:
 
 
 def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
-            chips: int) -> dict[str, Any]:
+            chips: int, compute_dtype: str = "bfloat16") -> dict[str, Any]:
     """The per-chip figures of a compiled program against ``chip``: HBM used and its share,
-    the roofline lower bound on its time (FLOPs at the bf16 peak, bytes at the HBM bandwidth)
-    and the throughput it implies, and an estimate of the largest global batch that fits."""
+    the roofline lower bound on its time (FLOPs at the matmul peak of ``compute_dtype``, bytes
+    at the HBM bandwidth) and the throughput it implies, and an estimate of the largest global
+    batch that fits."""
     mem = measured["memory"]
     used = mem["total"] + program.resident_bytes
     # XLA counts a loop body once; the jaxpr count takes every iteration of scans (SCORER's
     # chunked matching), so the larger of the two is the better lower bound.
     dot_flops = measured["dot_flops"] / (1 if program.traced_per_chip else chips)
     flops = max(measured["flops"] or 0.0, dot_flops)
-    compute_s = flops / chip.bf16_flop_per_s
+    compute_s = flops / chip.peak_flop_per_s(compute_dtype)
     memory_s = (measured["bytes_accessed"] or 0.0) / chip.hbm_bytes_per_s
     bound_s = max(compute_s, memory_s)
     per_chip_batch = program.batch / chips

@@ -25,7 +25,8 @@ def _preset(r: dict[str, Any]) -> str:
 def _slice(r: dict[str, Any]) -> str:
     hosts = f", {r['hosts']} hosts" if r["hosts"] > 1 else ""
     name = r["accelerator_type"] or r["topology"]
-    return f"{name} ({r['chips']} chips{hosts})"
+    unit = "GPUs" if r.get("platform") == "cuda" else "chips"
+    return f"{name} ({r['chips']} {unit}{hosts})"
 
 
 def rows(results: dict[str, Any]) -> list[str]:

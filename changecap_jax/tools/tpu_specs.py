@@ -37,6 +37,14 @@ class Chip:
     bf16_flop_per_s: float
     source: str  # the page the three figures come from
     cores_per_chip: int  # TensorCores; v4 and v5p run both as one JAX device ("megacore")
+    # float32 matmuls' peak where it differs (a GPU's TF32); a TPU's is its bf16 peak
+    f32_flop_per_s: float | None = None
+
+    def peak_flop_per_s(self, compute_dtype: str) -> float:
+        """The matmul peak that bounds a program computing in ``compute_dtype``."""
+        if compute_dtype == "float32" and self.f32_flop_per_s:
+            return self.f32_flop_per_s
+        return self.bf16_flop_per_s
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
@@ -72,13 +80,15 @@ class TopologyError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """A slice to compile for: libtpu's name and the options of ``get_topology_desc``."""
+    """A slice to compile for: libtpu's name and the options of ``get_topology_desc``; or a
+    group of GPUs (``gpu_specs``)."""
 
-    name: str  # libtpu's topology name, e.g. "v5e:2x4"
+    name: str  # libtpu's topology name, e.g. "v5e:2x4"; GPUs: "h100:8"
     chip: Chip
     chips: int
-    options: dict  # chip_config_name, chips_per_host_bounds
+    options: dict  # chip_config_name, chips_per_host_bounds; a GPU's target_config, topology
     alias: str = ""  # the Cloud accelerator type it was given as, if any
+    platform: str = "tpu"  # get_topology_desc's: tpu, cuda
 
     @property
     def label(self) -> str:
@@ -87,8 +97,9 @@ class Topology:
 
 def known_names() -> str:
     """Examples of accepted names, for error messages."""
-    return ("libtpu topologies such as v5e:2x2, v5e:4x4, v4:2x2x1, v5p:2x2x2, v6e:2x4, or Cloud "
-            "accelerator types such as v5litepod-8, v4-8, v5p-16, v6e-8")
+    return ("libtpu topologies such as v5e:2x2, v5e:4x4, v4:2x2x1, v5p:2x2x2, v6e:2x4, Cloud "
+            "accelerator types such as v5litepod-8, v4-8, v5p-16, v6e-8, or GPUs such as "
+            "h100:8, h100:2x8 (tools/gpu_specs.py)")
 
 
 def _chip_count(shape: str) -> int:
