@@ -12,7 +12,7 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({
         "name": "synthetic",
         "data_dir": "",  # '' = $CHANGECAP_DATA_DIR or the user cache folder
-        "variant": variant,  # moderate | extreme distractors
+        "variant": variant,  # distractors: moderate | weak | extreme (none: diagnostic)
         "build_if_missing": True,
         "options": {
             "seed": 0,
@@ -23,6 +23,9 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
             # Stored dtype of the feature grids: float16 | float32 | bfloat16 (the model
             # upcasts to float32 on the device; half precision halves the bytes read).
             "feature_dtype": "float16",
+            # The builder version to read ('' = the newest; older ones are read, not built:
+            # docs/datasets.md).
+            "version": "",
         },
     })
 

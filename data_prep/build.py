@@ -1,7 +1,7 @@
 """Builds a dataset into a TFDS (ArrayRecord) data dir.
 
-    python -m data_prep.build synthetic --data_dir=DIR [--config=moderate|extreme] [--seed=N] \\
-        [--feature_shape=H,W,C] [--feature_dtype=float16|float32|bfloat16]
+    python -m data_prep.build synthetic --data_dir=DIR [--config=moderate|weak|extreme] \\
+        [--seed=N] [--feature_shape=H,W,C] [--feature_dtype=float16|float32|bfloat16]
     python -m data_prep.build DATASET --raw_dir=DIR [--features_dir=DIR] --data_dir=DIR \\
         [--weights=resnet101.pth] [--layer=3|4] [--feature_dtype=float32|float16|bfloat16]
 
@@ -41,7 +41,8 @@ from data_prep.builders.base import BuildError, make_config
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", None, "Where to build (default: the user cache folder).")
 # Synthetic dataset.
-flags.DEFINE_string("config", "moderate", "Synthetic distractor strength: moderate | extreme.")
+flags.DEFINE_string("config", "moderate", "Synthetic distractor strength: moderate | weak | "
+                    "extreme (or none, the diagnostic).")
 flags.DEFINE_integer("seed", 0, "Synthetic dataset seed.")
 flags.DEFINE_integer("num_train", 3000, "Synthetic train examples (each gives two pairs).")
 flags.DEFINE_integer("num_val", 300, "Synthetic val examples.")

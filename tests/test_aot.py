@@ -2,12 +2,12 @@
 this CPU.
 
 The slice names, the fit arithmetic and the one-line refusals run everywhere; the compiles
-need libtpu (requirements-tpu-check.txt) and skip with that message without it: one refusal
+need libtpu (requirements-aot.txt) and skip with that message without it: one refusal
 of a batch that does not fit on a 4-chip slice (exit 2, one line) and one compile of the train
 step and decoding on a 16-chip slice of 4 hosts, both of the tiny DIRL preset (about 40 s each
 on 2 cores); the same compile on the 4-chip slice is marked slow. The GPU compile (8 H100s on
-2 hosts, about 30 s) needs JAX's CUDA plugin, which CI does not install (aot.CUDA_PLUGIN_PINS):
-it skips without it.
+2 hosts, about 30 s) needs JAX's CUDA plugin (requirements-aot.txt, which CI installs) and
+skips without it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
     not HAS_LIBTPU, reason=f"libtpu is not installed (pip install {aot.LIBTPU_PIN}, "
-    "requirements-tpu-check.txt): the aot compiles are skipped")
+    "requirements-aot.txt): the aot compiles are skipped")
 HAS_CUDA_PLUGIN = aot.cuda_plugin_installed()
 needs_cuda_plugin = pytest.mark.skipif(
     not HAS_CUDA_PLUGIN, reason=f"JAX's CUDA plugin is not installed (pip install "

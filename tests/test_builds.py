@@ -80,7 +80,7 @@ def test_same_seed_gives_byte_identical_records_in_any_process(killed_then_rebui
         assert path.read_bytes() == (built_there.directory / path.name).read_bytes(), path.name
     # TFDS's banner ("Downloading and preparing dataset Unknown size") gave way to ours.
     assert "Downloading and preparing" not in log
-    assert "building synthetic_change/moderate_n120-12-10_f4x4x16 1.3.0 (142 examples) in" in log
+    assert "building synthetic_change/moderate_n120-12-10_f4x4x16 2.0.0 (142 examples) in" in log
 
 
 def test_second_build_waits_for_the_first_and_uses_its_result(tmp_path, caplog):
@@ -104,7 +104,7 @@ def test_second_build_waits_for_the_first_and_uses_its_result(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("building synthetic_change/") for m in messages) == 1
     assert any(m.startswith("waiting for the build of synthetic_change/moderate_n16-8-8_f4x4x16"
-                            f" 1.3.0 by pid {os.getpid()}") for m in messages)
+                            f" 2.0.0 by pid {os.getpid()}") for m in messages)
     assert any(m.endswith(f"is already built in {directory}") for m in messages)
 
 
@@ -144,4 +144,4 @@ def test_ctrl_c_stops_the_render_workers_before_the_cleanup(tmp_path, monkeypatc
     # only a pool stopped on the way out is gone now.
     assert interrupted.traceback and set(multiprocessing.active_children()) <= before
     assert not _incomplete(tmp_path)
-    assert not list(tmp_path.glob("synthetic_change/*/1.3.0"))
+    assert not list(tmp_path.glob("synthetic_change/*/2.0.0"))

@@ -288,7 +288,7 @@ def test_the_command_line_cycle_on_gs_equals_local_disk(gcs, tmp_path):
     model, predictions) on gs://, then on local disk: the same metrics, captions, losses and
     prediction to the digit."""
     # Both runs render the same synthetic set; the images predict reads are in each data dir.
-    rel = "synthetic_change/moderate_n40-12-10_f4x4x16/1.3.0/raw"
+    rel = "synthetic_change/moderate_n40-12-10_f4x4x16/2.0.0/raw"
     pair = ("images/CLEVR_default_000000.png", "sc_images/CLEVR_semantic_000000.png")
     remote_root = _bucket("cycle")
     os.environ["CHANGECAP_CACHE_DIR"] = _bucket("xla")

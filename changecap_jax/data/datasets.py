@@ -130,9 +130,16 @@ def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any])
         )
     except (TypeError, ValueError) as e:  # the config's dataset.variant or dataset.options
         raise DatasetOptionError(f"dataset 'synthetic' (variant {variant!r}): {e}") from e
+    # An older builder version: reads (or builds, as it was) that version's records.
+    version = str(options.get("version") or SyntheticChange.VERSION)
+    known = [str(v) for v in (SyntheticChange.VERSION, *SyntheticChange.SUPPORTED_VERSIONS)]
+    if version not in known:
+        raise DatasetOptionError(f"dataset 'synthetic' option version={version!r}: expected one "
+                                 f"of {known}")
     # TFDS wants the registered configs by name and custom ones as objects.
     named = config.name if config.name in SyntheticChange.builder_configs else config
-    return SyntheticChange(data_dir=str(data_dir), config=named, file_format="array_record")
+    return SyntheticChange(data_dir=str(data_dir), config=named, version=version,
+                           file_format="array_record")
 
 
 # name -> (builder factory, builds itself when missing)

@@ -131,7 +131,7 @@ class DatasetMeta:
     has_distractor: bool
     image_size: tuple[int, int] | None = None
     raw_dir: str | None = None  # relative to the dataset directory, where images were kept
-    extractor: str = ""  # "synthetic_grid" or "resnet101_layer3" / "resnet101_layer4"
+    extractor: str = ""  # "synthetic_grid[_v2]" or "resnet101_layer3" / "resnet101_layer4"
     seed: int | None = None
     split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
     tokenizer: str = "clevr"  # a name in changecap_jax.data.vocab.TOKENIZERS

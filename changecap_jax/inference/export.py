@@ -116,8 +116,9 @@ def extractor_description(meta: schema.DatasetMeta, weights: str | None = None) 
     """How to turn a new image into the model's input features, from the training data's
     metadata (``meta.extractor``)."""
     name = meta.extractor
-    if name == "synthetic_grid":
-        return {"name": "synthetic_grid", "feature_shape": list(meta.feature_shape),
+    if name in ("synthetic_grid", "synthetic_grid_v2"):
+        return {"name": "synthetic_grid", "version": 2 if name.endswith("_v2") else 1,
+                "feature_shape": list(meta.feature_shape),
                 "image_size": list(meta.image_size) if meta.image_size else None}
     if name.startswith("resnet101_layer"):
         layer = int(name[len("resnet101_layer")])

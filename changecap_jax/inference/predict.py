@@ -136,6 +136,12 @@ class FeatureExtractor:
         self.name = description["name"]
         self.feature_shape = tuple(description["feature_shape"])
         if self.name == "synthetic_grid":
+            # Exports written before the grid extractor had versions used version 1.
+            self.version = int(description.get("version", 1))
+            if self.version not in grid.VERSIONS:
+                raise PredictError(f"the model was trained on synthetic grid features of "
+                                   f"version {self.version}, which this predict cannot compute "
+                                   f"(it knows {list(grid.VERSIONS)})")
             return
         if self.name != "resnet101":
             raise PredictError(f"the model was trained on features of extractor "
@@ -159,8 +165,8 @@ class FeatureExtractor:
         if self.name == "synthetic_grid":
             images = [read_image(p) for p in paths]
             # One image at a time: sizes may differ (each is resized to the grid's pixels).
-            feats = np.concatenate([grid.extract(im[None], self.feature_shape)
-                                    for im in images])
+            feats = np.concatenate([grid.extract(im[None], self.feature_shape,
+                                                 version=self.version) for im in images])
             return feats.astype(np.float32)
         for p in paths:
             read_image(p)  # a clear error before torch sees the file

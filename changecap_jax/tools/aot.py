@@ -31,7 +31,7 @@ The slice is named as libtpu spells it (``v5e:2x2``, ``v5e:4x4`` = 16 chips on 4
 ``v4:2x2x1``, ``v5p:2x2x2``, ``v6e:2x4``) or by its Cloud accelerator type (``v5litepod-8``,
 ``v4-8``, ``v5p-8``, ``v6e-8``); GPUs by card, hosts and GPUs per host (``h100:8``,
 ``h100:2x8``; ``tools/gpu_specs.py``). A TPU slice needs ``pip install libtpu==0.0.42.1``
-(the version ``jax[tpu]==0.10.2`` pins; requirements-tpu-check.txt). The command runs with
+(the version ``jax[tpu]==0.10.2`` pins; requirements-aot.txt). The command runs with
 ``JAX_PLATFORMS=cpu``, which it sets itself, as it sets ``TPU_SKIP_MDS_QUERY=1`` (no metadata
 server off Cloud) and ``TPU_WORKER_HOSTNAMES=localhost`` and ``TPU_HOST_BOUNDS=1,1,1``
 (libtpu otherwise warns that it cannot find a TPU VM's workers). GPUs need JAX's CUDA plugin

@@ -20,7 +20,9 @@ for each feature source:
 * ``grid@HxWxC``: ``features/grid.py`` ``extract`` at another shape, on the rendered images
   the builder saved under ``raw/`` (the same extractor the builder runs);
 * ``stats`` / ``stats@HxW``: the 55 patch statistics per cell before the random projection
-  (``grid.patch_statistics``), at the dataset's grid or another one.
+  (``grid.patch_statistics``), at the dataset's grid or another one;
+* a ``:vN`` suffix (``grid@8x8x64:v2``, ``stats:v2``): extractor version N (default 1, the
+  extractor of builder versions before 2.0.0; version 2 has 67 statistics).
 
 Pair representations (``--pair``), from the per-cell difference d = after - before:
 ``pooled`` (position-free: per channel the mean and max over cells of |d|, of d+ and of d-,
@@ -115,16 +117,18 @@ def image_extractor(spec: str, grid_hw: tuple[int, int]
                     ) -> Callable[[np.ndarray], np.ndarray]:
     """(h, w, 3) uint8 image -> (H, W, D) features of a ``grid@HxWxC`` / ``stats[@HxW]``
     entry (``grid_hw``: the grid of a bare ``stats``)."""
-    m = re.fullmatch(r"(grid|stats)(?:@(\d+)x(\d+)(?:x(\d+))?)?", spec)
+    m = re.fullmatch(r"(grid|stats)(?:@(\d+)x(\d+)(?:x(\d+))?)?(?::v(\d+))?", spec)
     if not m or (m.group(1) == "grid" and not m.group(4)) or (
-            m.group(1) == "stats" and m.group(4)):
+            m.group(1) == "stats" and m.group(4)) or (
+            m.group(5) and int(m.group(5)) not in grid.VERSIONS):
         raise app.UsageError(f"unknown feature source {spec!r}: grid, grid@HxWxC, stats, "
-                             "stats@HxW")
+                             f"stats@HxW, each but grid with :vN, N in {list(grid.VERSIONS)}")
     h, w = (int(m.group(2)), int(m.group(3))) if m.group(2) else grid_hw
+    version = int(m.group(5) or 1)
     if m.group(1) == "stats":
-        return lambda im: grid.patch_statistics(im, (h, w))
+        return lambda im: grid.patch_statistics(im, (h, w), version)
     shape = (h, w, int(m.group(4)))
-    return lambda im: grid.extract(im[None], shape, np.float32)[0]
+    return lambda im: grid.extract(im[None], shape, np.float32, version)[0]
 
 
 def source_features(spec: str, raw_dir: Path, ids: Sequence[int],

@@ -42,6 +42,7 @@ from changecap_jax.data.synthetic.examples import (
     DEFAULT_IMAGE_SIZE,
     DEFAULT_MAX_CAPTION_LEN,
     DEFAULT_SIZES,
+    GRID_EXTRACTOR_VERSION,
     change_type_of,
     example_rng,
     render_views,
@@ -166,15 +167,16 @@ def _render_pool(workers: int | None) -> Iterator[Any]:
         yield pool
 
 
-def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str, Any]:
-    """Worker: renders the three images of one example, saves them, extracts features."""
-    config, example_id, raw_dir = job
+def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str, int]) -> dict[str, Any]:
+    """Worker: renders the three images of one example, saves them, extracts features (grid
+    extractor ``extractor_version``)."""
+    config, example_id, raw_dir, extractor_version = job
     ex = make_example(config, example_id)
     images, boxes = render_views(ex, config.image_size)
     for key, image in images.items():
         Image.fromarray(image).save(image_path(raw_dir, key, example_id), compress_level=6)
     feats = grid_features.extract(np.stack(list(images.values())), config.feature_shape,
-                                  schema.feature_dtype(config.feature_dtype))
+                                  schema.feature_dtype(config.feature_dtype), extractor_version)
     out: dict[str, Any] = dict(zip(images, feats, strict=True))
     missing = np.full((4,), -1.0, np.float32)
     out["bbox_before"] = (np.asarray(boxes["before"][ex.changed_index_before], np.float32)
@@ -188,6 +190,9 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str]) -> dict[str
     return out
 
 
+# Grid extractor version -> the name datasets record in their meta (predict computes it).
+EXTRACTOR_NAMES = {1: "synthetic_grid", 2: "synthetic_grid_v2"}
+
 # Record fields measured on the rendered images, beside the feature grids.
 RENDERED_FIELDS = ("bbox_before", "bbox_after", "viewpoint_iou_semantic",
                    "viewpoint_iou_distractor")
@@ -196,7 +201,9 @@ RENDERED_FIELDS = ("bbox_before", "bbox_after", "viewpoint_iou_semantic",
 class SyntheticChange(schema.RecordBuilder):
     """CLEVR-Change-like synthetic pairs: semantic changes among viewpoint/light distractors."""
 
-    VERSION = tfds.core.Version("1.3.0")
+    VERSION = tfds.core.Version("2.0.0")
+    # Older versions stay readable (TFDS builds only the newest).
+    SUPPORTED_VERSIONS = [tfds.core.Version("1.3.0")]
     RELEASE_NOTES = {
         "1.0.0": "First release.",
         "1.1.0": "Grid features scaled to about unit RMS (grid_features.GAIN).",
@@ -204,6 +211,10 @@ class SyntheticChange(schema.RecordBuilder):
                  "as 2-byte values (1.1.0 widened float16 to 4-byte floats).",
         "1.3.0": "viewpoint_iou_semantic / viewpoint_iou_distractor per record (the "
                  "difficulty-binned evaluation); every other field as in 1.2.0.",
+        "2.0.0": "Grid extractor version 2 (features/grid.py: white balance, 2 x 2 sub-cells, "
+                 "hue histogram and material cues), extractor name synthetic_grid_v2: the "
+                 "default run captions colour and material changes. The 'weak' distractor "
+                 "strength. Every other field as in 1.3.0.",
     }
     # Render processes; None: one per core (at most 8); 0: render in this process (debugging).
     num_workers: int | None = None
@@ -248,12 +259,17 @@ class SyntheticChange(schema.RecordBuilder):
         schema.DatasetMeta(
             feature_shape=cfg.feature_shape, max_caption_len=cfg.max_caption_len,
             change_types=list(scenes.CHANGE_TYPES), has_distractor=True,
-            image_size=cfg.image_size, raw_dir="raw", extractor="synthetic_grid",
+            image_size=cfg.image_size, raw_dir="raw",
+            extractor=EXTRACTOR_NAMES[self.extractor_version()],
             seed=cfg.seed, split_sizes={k: len(v) for k, v in splits.items()},
             feature_dtype=cfg.feature_dtype,
         ).save(data_dir / schema.META_FILE)
         self._examples, self._vocab, self._raw_dir = examples, vocab, raw_dir
         return {name: self._generate_examples(ids, name) for name, ids in splits.items()}
+
+    def extractor_version(self) -> int:
+        """The grid extractor of this builder version (features/grid.py)."""
+        return 1 if self.version < "2.0.0" else GRID_EXTRACTOR_VERSION
 
     def build_detail(self) -> str:
         cfg: SyntheticChangeConfig = self.builder_config
@@ -276,7 +292,7 @@ class SyntheticChange(schema.RecordBuilder):
         cfg: SyntheticChangeConfig = self.builder_config
         # Unknown words are an error in train captions; in val/test they become <UNK>.
         unknown: dict[str, int] | None = None if split == "train" else {}
-        jobs = [(cfg, i, str(self._raw_dir)) for i in ids]
+        jobs = [(cfg, i, str(self._raw_dir), self.extractor_version()) for i in ids]
         pool = getattr(self, "_pool", None)
         results = (pool.imap(_render_and_extract, jobs, chunksize=16) if pool is not None
                    else map(_render_and_extract, jobs))

@@ -20,6 +20,8 @@ DEFAULT_IMAGE_SIZE = (128, 128)
 DEFAULT_MAX_CAPTION_LEN = 16
 DEFAULT_FEATURE_DTYPE = "float16"
 DEFAULT_CAPTIONS_PER_PAIR = 6
+# The features/grid.py extractor version of the newest builder (2.0.0; 1 before it).
+GRID_EXTRACTOR_VERSION = 2
 # The record key of each view; the distractor view shows the before scene from another camera.
 VIEWS = ("before", "after_semantic", "after_distractor")
 

@@ -133,6 +133,12 @@ DISTRACTORS = {
         max_yaw=8.0, max_shift=0.35, zoom_range=(0.92, 1.08), max_azimuth=25.0,
         brightness_range=(0.85, 1.15), max_tint=0.05, ambient_range=(0.4, 0.5),
     ),
+    # Half of moderate's ranges: the default benchmark's distractors (docs/ablations.md,
+    # "Why colour and material changes are missed").
+    "weak": DistractorStrength(
+        max_yaw=4.0, max_shift=0.175, zoom_range=(0.96, 1.04), max_azimuth=12.5,
+        brightness_range=(0.925, 1.075), max_tint=0.025, ambient_range=(0.425, 0.475),
+    ),
     # Like CLEVR-DC: large viewpoint moves and strong light changes.
     "extreme": DistractorStrength(
         max_yaw=30.0, max_shift=0.9, zoom_range=(0.78, 1.22), max_azimuth=90.0,

@@ -32,7 +32,8 @@ def _example(example_id: int) -> tuple[np.ndarray, tuple[str, ...], tuple[str, .
     ex = examples.sample_example(SEED, example_id)
     images, _ = examples.render_views(ex, examples.DEFAULT_IMAGE_SIZE)
     feats = grid.extract(np.stack([images[k] for k in examples.VIEWS]),
-                         examples.DEFAULT_FEATURE_SHAPE, FEATURE_DTYPE)
+                         examples.DEFAULT_FEATURE_SHAPE, FEATURE_DTYPE,
+                         examples.GRID_EXTRACTOR_VERSION)
     return feats, ex.change_captions, ex.no_change_captions
 
 
