@@ -130,7 +130,7 @@ def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any])
         )
     except (TypeError, ValueError) as e:  # the config's dataset.variant or dataset.options
         raise DatasetOptionError(f"dataset 'synthetic' (variant {variant!r}): {e}") from e
-    # An older builder version: reads (or builds, as it was) that version's records.
+    # An older builder version is read where it is built (TFDS builds only the newest).
     version = str(options.get("version") or SyntheticChange.VERSION)
     known = [str(v) for v in (SyntheticChange.VERSION, *SyntheticChange.SUPPORTED_VERSIONS)]
     if version not in known:

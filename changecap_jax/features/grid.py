@@ -45,7 +45,11 @@ PROJECTION_SEED = 20240601
 HUE_BINS = 8
 NUM_MATERIAL_CUES = 4
 VERSIONS = (1, 2)
-NUM_STATS = {1: 4 * 4 * 3 + 3 + 3 + 1, 2: 2 * 2 * 3 + 3 + 3 + 1 + HUE_BINS + NUM_MATERIAL_CUES}
+# Per version: sub-cell colours, std / max / gradient (7), then version 2's shift-robust ones.
+NUM_STATS = {v: SUBCELLS[v] ** 2 * 3 + 7 + (HUE_BINS + NUM_MATERIAL_CUES if v == 2 else 0)
+             for v in VERSIONS}
+# The extractor name datasets record in meta.json for each version (predict computes it).
+NAMES = {1: "synthetic_grid", 2: "synthetic_grid_v2"}
 GAIN = 12.0
 # Version 2's white balance maps an image's median colour here: the floor under the before
 # view's light (render.py), so a before image is nearly unchanged.

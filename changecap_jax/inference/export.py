@@ -48,6 +48,7 @@ from changecap_jax import cli, compile_cache, experiment, models
 from changecap_jax.data import schema, streams
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
+from changecap_jax.features import grid
 from changecap_jax.io import checkpoints, paths, run_config, workdir_lock
 from changecap_jax.io.jsonio import read_json, staging_dir, write_json_atomic
 from changecap_jax.models import contract
@@ -116,8 +117,9 @@ def extractor_description(meta: schema.DatasetMeta, weights: str | None = None) 
     """How to turn a new image into the model's input features, from the training data's
     metadata (``meta.extractor``)."""
     name = meta.extractor
-    if name in ("synthetic_grid", "synthetic_grid_v2"):
-        return {"name": "synthetic_grid", "version": 2 if name.endswith("_v2") else 1,
+    versions = {n: v for v, n in grid.NAMES.items()}
+    if name in versions:
+        return {"name": "synthetic_grid", "version": versions[name],
                 "feature_shape": list(meta.feature_shape),
                 "image_size": list(meta.image_size) if meta.image_size else None}
     if name.startswith("resnet101_layer"):

@@ -190,9 +190,6 @@ def _render_and_extract(job: tuple[SyntheticChangeConfig, int, str, int]) -> dic
     return out
 
 
-# Grid extractor version -> the name datasets record in their meta (predict computes it).
-EXTRACTOR_NAMES = {1: "synthetic_grid", 2: "synthetic_grid_v2"}
-
 # Record fields measured on the rendered images, beside the feature grids.
 RENDERED_FIELDS = ("bbox_before", "bbox_after", "viewpoint_iou_semantic",
                    "viewpoint_iou_distractor")
@@ -260,7 +257,7 @@ class SyntheticChange(schema.RecordBuilder):
             feature_shape=cfg.feature_shape, max_caption_len=cfg.max_caption_len,
             change_types=list(scenes.CHANGE_TYPES), has_distractor=True,
             image_size=cfg.image_size, raw_dir="raw",
-            extractor=EXTRACTOR_NAMES[self.extractor_version()],
+            extractor=grid_features.NAMES[self.extractor_version()],
             seed=cfg.seed, split_sizes={k: len(v) for k, v in splits.items()},
             feature_dtype=cfg.feature_dtype,
         ).save(data_dir / schema.META_FILE)
