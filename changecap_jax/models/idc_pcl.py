@@ -112,6 +112,7 @@ from changecap_jax.models.layers import (
     torch_default_kernel_init,
 )
 from changecap_jax.models.linear import linear
+from changecap_jax.models.precision import at_least_float32
 
 Array = jax.Array
 
@@ -129,18 +130,18 @@ PE_LEN = 200  # rows of the official sinusoid buffer
 MASKED_SCORE = -1e9  # the official masked_fill value (not -inf)
 
 
-def idc_sinusoid_table(length: int, dim: int) -> np.ndarray:
-    """§5.2 / I-Q2 sinusoid (length, dim) float32: pe[p, i] = sin(p / 10000^(2i/dim)) for even
-    i, pe[p, i+1] = cos(p / 10000^(2(i+1)/dim)). The exponent uses 2 * index, so frequencies
+def idc_sinusoid_table(length: int, dim: int, dtype: np.dtype = np.float32) -> np.ndarray:
+    """§5.2 / I-Q2 sinusoid (length, dim): pe[p, i] = sin(p / 10000^(2i/dim)) for even i,
+    pe[p, i+1] = cos(p / 10000^(2(i+1)/dim)). The exponent uses 2 * index, so frequencies
     fall twice as fast as in the standard table. Evaluated in float64 like the official Python
-    loop, rounded once to float32."""
+    loop, rounded once to ``dtype`` (float32, as the official buffer)."""
     pos = np.arange(length, dtype=np.float64)[:, None]
     even = np.arange(0, dim, 2, dtype=np.float64)
     table = np.zeros((length, dim), np.float64)
     table[:, 0::2] = np.sin(pos / 10000.0 ** (2.0 * even / dim))
     odd = even[: dim // 2] + 1.0
     table[:, 1::2] = np.cos(pos / 10000.0 ** (2.0 * odd / dim))
-    return table.astype(np.float32)
+    return table.astype(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +178,9 @@ class PositionalEmb(nn.Module):
                                 embedding_init=nn.initializers.normal(self.type_std))
         self.layernorm = IDCLayerNorm(eps=1e-12)
         self.dropout = Dropout(self.dropout_rate)
-        self.pe = idc_sinusoid_table(PE_LEN, self.dim)  # a constant, never trained
+        # A constant, never trained; kept in float64 and rounded to the compute dtype (equal
+        # to the official float32 buffer in float32, exact in the float64 runs of reproduce).
+        self.pe = idc_sinusoid_table(PE_LEN, self.dim, np.float64)
 
     def __call__(
         self,
@@ -196,7 +199,8 @@ class PositionalEmb(nn.Module):
         if mode != "cls":
             if positions is None:
                 positions = jnp.arange(x.shape[1])
-            x = x + jnp.asarray(self.pe)[positions].astype(x.dtype)
+            table = jnp.asarray(self.pe, jnp.promote_types(x.dtype, jnp.float32))
+            x = x + table[positions].astype(x.dtype)
         return self.dropout(self.layernorm(x), deterministic=deterministic)
 
 
@@ -229,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         to (B, Lq, Lk), True = attend. Returns the output and the probabilities (B, H, Lq, Lk)."""
         q = self._split(self.q_linear(x))
         # Scale after the product, as the official code does.
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)  # softmax in f32
+        scores = at_least_float32(jnp.einsum("bqhd,bkhd->bhqk", q, k))  # softmax in f32+
         scores = scores / math.sqrt(self.dim // self.num_heads)
         if mask is not None:
             scores = jnp.where(mask[:, None], scores, MASKED_SCORE)
@@ -837,7 +841,7 @@ class IDCPCL(contract.TrunkModel, nn.Module):
 def token_cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
     """Per-position CE (0 where label == -1) and the keep mask."""
     keep = labels != -1
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    log_probs = jax.nn.log_softmax(at_least_float32(logits), axis=-1)
     picked = jnp.take_along_axis(log_probs, jnp.where(keep, labels, 0)[..., None], -1)[..., 0]
     return jnp.where(keep, -picked, 0.0), keep
 

@@ -30,7 +30,7 @@ import numpy as np
 from changecap_jax.data.streams import STREAM_KEYS
 from changecap_jax.errors import UserError
 from changecap_jax.tools.benchmark_alternating import alternate_with_jax_step
-from changecap_jax.tools.reproduce import adapters
+from changecap_jax.tools.reproduce import adapters, registry
 from changecap_jax.tools.reproduce import official as off
 from changecap_jax.tools.reproduce import run as reproduce
 
@@ -80,7 +80,11 @@ def prepare(config: ml_collections.ConfigDict, setup: Any, root: str | os.PathLi
         raise OfficialError("--compare_official compares float32 steps: set "
                             "--config.compute_dtype=float32")
     try:
-        adapter = adapters.get_adapter(config.model.name)
+        adapter = registry.get_adapter(config.model.name)
+        if adapter.snapshot_sources != adapters.Adapter.snapshot_sources:
+            raise adapters.ReproduceError(
+                f"--compare_official times the tuyunbin/DIRL and tuyunbin/SCORER steps; "
+                f"{adapter.repository} ({config.model.name}) is compared by reproduce only")
         fitted = ml_collections.ConfigDict(config.to_dict())
         changes = adapter.fit_config(fitted)
         if fitted.to_dict() != config.to_dict():

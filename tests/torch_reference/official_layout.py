@@ -29,6 +29,7 @@ from torch import nn
 from changecap_jax.tools.torch_reference import dirl as tdirl
 from changecap_jax.tools.torch_reference import scorer as tscorer
 
+from .idc_pcl import IDCPCL
 from .snapshot import AttrDict
 
 GRID_ROWS = 14  # nn.Embedding(14, att_dim / 2) in the official encoders
@@ -232,3 +233,81 @@ def real_checkout(model: str) -> Path:
         pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
                     f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
     return Path(checkout)
+
+
+# ---------------------------------------------------------------------------------------------
+# yaolinli/IDC (clver/), over the test reference tests/torch_reference/idc_pcl.py
+# ---------------------------------------------------------------------------------------------
+
+IDC_SETTINGS = {  # clver/config/finetune_clver.json's training values
+    "n_embs": 512, "img_embs": 2048, "dim_ff": 2048, "n_head": 8, "n_block": 3,
+    "weight_decay": 0.0, "lr": 3e-5, "batch_size": 200, "dropout": 0.2, "max_len": 40}
+IDC_PARA = '''import argparse
+import json
+import sys
+
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--weight_decay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--exp_name", required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    given = {a[2:].split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+    for key, value in json.load(open(args.config)).items():
+        if key not in given:
+            setattr(args, key, value)
+    return args
+'''
+IDC_UTILS = '''from para import parse_args
+
+args = parse_args()  # as the official utils.py, at import
+
+
+def finetune_lr_schedule(global_step, lr):
+    return lr if global_step < 10000 else lr / 2 if global_step < 20000 else lr / 4
+
+
+def get_lr_sched(global_step, args, pretrain=True):
+    assert not pretrain
+    return finetune_lr_schedule(global_step, args.lr)
+'''
+IDC_MODULES = "from torch_reference.official_layout import IdcFinetuneModel as Model  # noqa\n"
+
+
+class IdcFinetuneModel(IDCPCL):
+    """``clver/modules_finetune.py``'s ``Model`` signature and ``forward(batch)`` over the test
+    reference: (per-token MLM CE at labelled positions, per-sample distractor CE)."""
+
+    def __init__(self, ff_dim: int, img_embs: int, n_hidden: int, n_head: int, n_block: int,
+                 img_enc_block: int, vocab_size: int, dropout: float, max_len: int,
+                 CLS: int) -> None:  # noqa: N803 (the official name)
+        super().__init__(vocab_size, CLS, "finetune", n_hidden, img_embs, ff_dim, n_head,
+                         n_block, dropout)
+
+    def forward(self, batch: dict, compute_loss: bool = True) -> tuple:
+        import torch.nn.functional as F
+
+        out = self.finetune_forward(batch["img1"], batch["img2"], batch["cap"])
+        labels = batch["cap_label"]
+        keep = labels != -1
+        mlm = F.cross_entropy(out.mlm_logits[keep], labels[keep], reduction="none")
+        itm = F.cross_entropy(out.distractor_logits, batch["diff_label"].view(-1),
+                              reduction="none")
+        return mlm, itm
+
+
+def write_idc_checkout(root: Path) -> Path:
+    """The stand-in of yaolinli/IDC's ``clver/`` files that reproduce imports."""
+    import json
+
+    files = {"clver/para.py": IDC_PARA, "clver/utils.py": IDC_UTILS,
+             "clver/modules_finetune.py": IDC_MODULES,
+             "clver/config/finetune_clver.json": json.dumps(IDC_SETTINGS)}
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root

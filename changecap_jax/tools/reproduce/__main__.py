@@ -35,15 +35,17 @@ details and the official quirks met.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from pathlib import Path
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax.convert import ConversionError
-from changecap_jax.tools.reproduce import official, report, run
+from changecap_jax.tools.reproduce import evaluate, official, report, run
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py or "
@@ -62,6 +64,8 @@ flags.DEFINE_float("rtol", 1e-4, "Relative tolerance of the loss comparison.")
 flags.DEFINE_float("atol", 0.0, "Absolute tolerance of the loss comparison.")
 flags.DEFINE_enum("precision", "float32", ["float32", "float64"],
                   "Float precision of both sides.")
+flags.DEFINE_list("evaluate", [], "Splits both trained models caption and are scored on "
+                  "after the steps (e.g. test): does each side learn?")
 
 EXIT_DIFFERENT, EXIT_USAGE = 3, 2
 
@@ -93,6 +97,7 @@ def main(argv: list[str]) -> None:
         precision=FLAGS.precision)
     name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
     out = FLAGS.out or os.path.join("workdir", f"reproduce_{name}")
+    options = dataclasses.replace(options, evaluate=tuple(FLAGS.evaluate), out=Path(out))
 
     def log(row: dict) -> None:
         if row["step"] == 1:
@@ -108,6 +113,8 @@ def main(argv: list[str]) -> None:
     for note in result.notes:
         print(f"note: {note}")
     print(report.format_summary(result.summary))
+    if result.evaluation:
+        print(evaluate.format_results(result.evaluation))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     sys.exit(0 if result.summary["losses_within_tolerance"] else EXIT_DIFFERENT)
 

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_collections
 import numpy as np
 
+from changecap_jax.convert import tables
 from changecap_jax.convert.models.scorer import GENERATOR
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
+from changecap_jax.data.streams import STREAM_KEYS
+from changecap_jax.models.layers import sinusoid_table
+from changecap_jax.tools.reproduce import official as off
 
 
 class ReproduceError(ValueError):
@@ -57,11 +63,101 @@ class OfficialModel:
     spatial_info: Any | None
     lib: dict[str, Any]  # the imported official modules by dotted name
     weights: dict[str, float]  # the loss weights the official script hard-codes
+    trained_names: tuple[str, ...] = ("change_detector", "speaker")
 
     @property
     def trained(self) -> list[Any]:
         """The modules whose parameters the optimiser holds."""
-        return [self.modules["change_detector"], self.modules["speaker"]]
+        return [self.modules[name] for name in self.trained_names]
+
+
+def caption_masks(ids: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+    """1 on the first k positions, k = the row's non-zero ids (official dataset, §2.5)."""
+    length = (ids != 0).sum(axis=1, keepdims=True)
+    return (np.arange(ids.shape[1])[None, :] < length).astype(dtype)
+
+
+def caption_targets(ids: np.ndarray) -> np.ndarray:
+    """``labels_with_ignore``: ids outside the mask set to -1, the first position dropped and
+    a -1 appended (official dataset, §2.5)."""
+    labels = np.where(caption_masks(ids) > 0, ids, -1).astype(np.int64)
+    return np.concatenate([labels[:, 1:], np.full((len(ids), 1), -1, np.int64)], axis=1)
+
+
+def tensor_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
+                spatial_info: Any | None) -> TorchBatch:
+    """Our host batch as the official loop receives it (channels first, int64 ids,
+    ``labels_with_ignore``, masks in the grids' dtype; AddSpatialInfo when given)."""
+    import torch
+
+    def grid(x: np.ndarray) -> Any:
+        t = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+        return spatial_info(t) if spatial_info is not None else t
+
+    pairs = {}
+    for stream in streams:
+        after_key, caption_key = STREAM_KEYS[stream]
+        ids = batch[caption_key]
+        pairs[stream] = TorchPair(
+            grid(batch[after_key]), torch.from_numpy(ids.astype(np.int64)),
+            torch.from_numpy(caption_targets(ids)),
+            torch.from_numpy(caption_masks(ids, batch["before"].dtype)))
+    return TorchBatch(grid(batch["before"]), pairs)
+
+
+
+@dataclasses.dataclass
+class OfficialSide:
+    """The official modules with their optimiser and schedule, and the steps taken.
+    ``scheduler`` (torch's, stepped at each epoch's end) or ``lr_at`` (the official loop's
+    lr of a 0-based step, set before ``optimizer.step()``) is the schedule."""
+
+    adapter: Adapter
+    model: OfficialModel
+    cfg: Any
+    optimizer: Any
+    scheduler: Any
+    steps_per_epoch: int
+    step: int = 0
+    lr_at: Callable[[int], float] | None = None
+
+
+def disable_dropout(modules: list[Any]) -> None:
+    """Dropout probability 0 in every ``nn.Dropout`` and ``nn.MultiheadAttention``; the
+    modules stay in train mode, as the official loop runs them."""
+    import torch
+
+    for module in modules:
+        module.train()
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+            elif isinstance(sub, torch.nn.MultiheadAttention):
+                sub.dropout = 0.0
+
+
+def build_modules(adapter: Adapter, config: ml_collections.ConfigDict, root: Path,
+                  lib: dict[str, Any], overrides: list[tuple[str, Any]]
+                  ) -> tuple[Any, OfficialModel, Any]:
+    """The official cfg (the script's yaml, then ``overrides``), modules (after the script's
+    seed, ``config.seed``) and optimiser (``build_optimizer`` on the trained modules)."""
+    import torch
+
+    cfg = off.load_cfg(lib["configs.config_transformer"], root, adapter.yaml(config.model),
+                       overrides)
+    torch.manual_seed(config.seed)  # train.py seeds torch with 1111, as config.seed
+    model = adapter.build(lib, cfg, config.model)
+    params = [p for m in model.trained for p in m.parameters()]
+    return cfg, model, lib["utils.utils"].build_optimizer(params, cfg)
+
+
+def clip_gradients(model: OfficialModel, cfg: Any) -> None:
+    """train.py's clipping: each trained module's norm separately, unless grad_clip is -1."""
+    import torch
+
+    if cfg.train.grad_clip != -1.0:
+        for module in model.trained:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
 
 
 def _halves(values: list[Any]) -> Any:
@@ -81,6 +177,8 @@ class Adapter:
     name = ""
     repository = ""
     fixed_widths = ""  # what the official code hard-codes, for error messages
+    # Converter sources held in the official snapshot; the others are extra states.
+    snapshot_sources: tuple[str, ...] = (ENCODER, DECODER)
 
     def script(self, model: ml_collections.ConfigDict) -> str:
         """The official training script of this config (for messages)."""
@@ -114,6 +212,47 @@ class Adapter:
 
     def after_step(self, official: OfficialModel) -> None:
         """What the official loop does after ``optimizer.step()`` (nothing by default)."""
+
+    def build_side(self, config: ml_collections.ConfigDict, root: Path, lib: dict[str, Any],
+                   sizes: tables.Sizes, official_cfg: list[tuple[str, Any]],
+                   steps_per_epoch: int) -> OfficialSide:
+        """The official cfg (the script's yaml with the config's sizes, then
+        ``official_cfg``), modules with dropout off, ``build_optimizer`` and ``StepLR``."""
+        import torch
+
+        overrides = self.cfg_overrides(config, sizes.feature_channels, sizes.vocab_size,
+                                       sizes.max_len) + list(official_cfg)
+        cfg, model, optimizer = build_modules(self, config, root, lib, overrides)
+        disable_dropout(list(model.modules.values()))
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            optimizer, step_size=cfg.train.optim.step_size, gamma=cfg.train.optim.gamma)
+        return OfficialSide(self, model, cfg, optimizer, scheduler, steps_per_epoch)
+
+    def import_lib(self, root: Path, model: ml_collections.ConfigDict) -> dict[str, Any]:
+        """The official modules the run needs, imported from the checkout at ``root``."""
+        return off.import_official(root, self.module_names(model))
+
+    def parse_official_cfg(self, text: str) -> tuple[str, Any]:
+        """One ``--official_cfg=KEY=VALUE``."""
+        return off.parse_cfg_override(text)
+
+    def clip(self, side: OfficialSide) -> None:
+        """The official loop's gradient clipping (train.py's, by default)."""
+        clip_gradients(side.model, side.cfg)
+
+    def fit_sizes(self, sizes: tables.Sizes, model: Any) -> tables.Sizes:
+        """The sizes the converter's table needs (unchanged by default)."""
+        return sizes
+
+    def torch_batch(self, batch: dict[str, np.ndarray], model: Any, streams: tuple[str, ...],
+                    spatial_info: Any | None, inputs_key: Any) -> Any:
+        """Our host batch as the official loop receives it; ``inputs_key`` is our step's
+        ``"inputs"`` rng (for inputs our step draws itself)."""
+        return tensor_batch(batch, streams, spatial_info)
+
+    def pe_table(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The official positional-encoding buffer of ``shape`` in float64 (--precision)."""
+        return sinusoid_table(shape[-2], shape[-1], np.float64).reshape(shape)
 
     def sources(self, official: OfficialModel) -> dict[str, Any]:
         """Converter source (``ENCODER`` ...) -> the official module holding it."""
@@ -330,14 +469,3 @@ class ScorerAdapter(Adapter):
 
     def sources(self, official: OfficialModel) -> dict[str, Any]:
         return {**super().sources(official), GENERATOR: official.modules["generator"]}
-
-
-ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter()}
-
-
-def get_adapter(model_name: str) -> Adapter:
-    """The adapter of ``config.model.name``; a clear error for a model without one."""
-    if model_name not in ADAPTERS:
-        raise ReproduceError(f"python -m changecap_jax reproduce supports models "
-                             f"{sorted(ADAPTERS)} (official code), not {model_name!r}")
-    return ADAPTERS[model_name]

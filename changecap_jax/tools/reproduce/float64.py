@@ -17,14 +17,13 @@ recomputed in float64 (:func:`official_to_float64`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.models.layers import sinusoid_table
 from changecap_jax.tools.reproduce.adapters import OfficialModel, ReproduceError
 
 PRECISIONS = ("float32", "float64")
@@ -61,9 +60,11 @@ def torch_precision(precision: str) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def official_to_float64(model: OfficialModel) -> list[str]:
+def official_to_float64(model: OfficialModel,
+                        pe_table: Callable[[tuple[int, ...]], np.ndarray]) -> list[str]:
     """Casts the official modules to float64 and recomputes their positional-encoding buffers
-    in float64; returns a note saying which buffers were replaced."""
+    in float64 (``pe_table``: the table of a buffer's shape); returns a note saying which
+    buffers were replaced."""
     import torch
 
     replaced = []
@@ -72,8 +73,7 @@ def official_to_float64(model: OfficialModel) -> list[str]:
         for name, buffer in list(module.named_buffers()):
             if name.rsplit(".", 1)[-1] != PE_BUFFER or not buffer.is_floating_point():
                 continue
-            table = sinusoid_table(buffer.shape[-2], buffer.shape[-1], np.float64)
-            table = table.reshape(buffer.shape)
+            table = pe_table(tuple(buffer.shape))
             diff = float(np.max(np.abs(buffer.detach().cpu().numpy() - table)))
             if diff > PE_TOLERANCE:
                 raise ReproduceError(

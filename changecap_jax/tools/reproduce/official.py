@@ -51,8 +51,10 @@ def _is_under(module_name: str, packages: Sequence[str]) -> bool:
 
 
 @contextlib.contextmanager
-def _isolated(root: Path, packages: Sequence[str]) -> Iterator[None]:
-    saved = {k: v for k, v in sys.modules.items() if _is_under(k, packages)}
+def _isolated(root: Path, names: Sequence[str], packages: Sequence[str]) -> Iterator[None]:
+    """While active: modules under the top-level ``names`` are the checkout's (``packages``
+    bound to its folders), ``root`` first on ``sys.path``; everything is put back after."""
+    saved = {k: v for k, v in sys.modules.items() if _is_under(k, names)}
     for k in saved:
         del sys.modules[k]
     sys.path.insert(0, str(root))
@@ -62,14 +64,16 @@ def _isolated(root: Path, packages: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         sys.path.remove(str(root))
-        for k in [k for k in sys.modules if _is_under(k, packages)]:
+        for k in [k for k in sys.modules if _is_under(k, names)]:
             del sys.modules[k]
         sys.modules.update(saved)
 
 
-def import_official(root: str | Path, module_names: Sequence[str]) -> dict[str, Any]:
-    """Imports ``module_names`` (e.g. ``"models.DIRL"``) from the checkout at ``root``;
-    returns {name: module}. ``sys.modules`` and ``sys.path`` are as before afterwards."""
+def import_official(root: str | Path, module_names: Sequence[str],
+                    packages: Sequence[str] = OFFICIAL_PACKAGES) -> dict[str, Any]:
+    """Imports ``module_names`` (e.g. ``"models.DIRL"``) from the checkout at ``root``, whose
+    folders ``packages`` are bound as packages; returns {name: module}. ``sys.modules`` and
+    ``sys.path`` are as before afterwards."""
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise OfficialCheckoutError(f"--official_repo {root} is not a folder")
@@ -79,7 +83,8 @@ def import_official(root: str | Path, module_names: Sequence[str]) -> dict[str, 
         raise OfficialCheckoutError(
             f"{root} is not the expected official checkout: it lacks "
             f"{', '.join(n.replace('.', '/') + '.py' for n in missing)}")
-    with _isolated(root, OFFICIAL_PACKAGES):
+    names = (*packages, *(n.split(".", 1)[0] for n in module_names))
+    with _isolated(root, names, packages):
         try:
             return {n: importlib.import_module(n) for n in module_names}
         except ImportError as e:

@@ -83,13 +83,16 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def write_outputs(out_dir: str | Path, result: Any) -> dict[str, Path]:
-    """``steps.csv``, ``steps.json`` (rows, summary, notes, settings) and ``losses.png``."""
+    """``steps.csv``, ``steps.json`` (rows, summary, notes, settings, and with --evaluate
+    both sides' scores) and ``losses.png``."""
     out = Path(out_dir)
     paths = {"csv": out / CSV_FILE, "json": out / JSON_FILE, "plot": out / PLOT_FILE}
     write_csv(paths["csv"], result.rows)
-    write_json_atomic(paths["json"], {"summary": result.summary, "notes": result.notes,
-                                      "settings": result.settings, "rows": result.rows},
-                      indent=1)
+    written = {"summary": result.summary, "notes": result.notes, "settings": result.settings,
+               "rows": result.rows}
+    if result.evaluation:
+        written["evaluation"] = result.evaluation
+    write_json_atomic(paths["json"], written, indent=1)
     plot(paths["plot"], result.rows, result.summary["rtol"], result.settings)
     return paths
 

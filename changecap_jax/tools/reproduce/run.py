@@ -41,22 +41,29 @@ from changecap_jax.convert import converter, registry, tables
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.data.streams import STREAM_KEYS, batch_keys
+from changecap_jax.data.streams import batch_keys
+from changecap_jax.models.base import INPUTS_FOLD
 from changecap_jax.tools import synthetic_inputs as si
+from changecap_jax.tools.reproduce import evaluate
 from changecap_jax.tools.reproduce import float64 as f64
 from changecap_jax.tools.reproduce import official as off
-from changecap_jax.tools.reproduce.adapters import (
+from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' names)
     Adapter,
     OfficialModel,
+    OfficialSide,
     ReproduceError,
     TorchBatch,
-    TorchPair,
-    get_adapter,
+    build_modules,
+    caption_masks,
+    caption_targets,
+    clip_gradients,
+    disable_dropout,
 )
+from changecap_jax.tools.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
+from changecap_jax.tools.reproduce.registry import get_adapter
 from changecap_jax.trainers import caption_step, optimizers, update
 
 INPUTS = ("dataset", "random")
-OFFICIAL_SOURCES = (ENCODER, DECODER)  # in the official snapshot
 # nn.Embedding(14, att_dim / 2) in models/DIRL.py and models/SCORER.py: the forward reads
 # rows 0..W-1 and 0..H-1 only, so a smaller grid compares the first rows.
 POSITION_TABLES = {"w_embedding.weight": "grid_width", "h_embedding.weight": "grid_height"}
@@ -79,6 +86,8 @@ class Options:
     rtol: float = 1e-4
     atol: float = 0.0  # a loss term agrees when |ours - official| <= atol + rtol * magnitude
     precision: str = "float32"  # or "float64": both sides (reproduce/float64.py)
+    evaluate: tuple[str, ...] = ()  # splits both trained models caption (evaluate.py)
+    out: Path | None = None  # where evaluate writes each side's files
 
 
 @dataclasses.dataclass
@@ -99,6 +108,7 @@ class Result:
     summary: dict[str, Any]
     notes: list[str]
     settings: dict[str, Any]
+    evaluation: dict[str, Any] | None = None  # evaluate.evaluate_sides, with --evaluate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,133 +168,46 @@ def model_batch(model: Any, batch: dict[str, Any], dtype: Any = np.float32
                           np.int32) for k in keys}
 
 
-def caption_masks(ids: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
-    """1 on the first k positions, k = the row's non-zero ids (official dataset, §2.5)."""
-    length = (ids != 0).sum(axis=1, keepdims=True)
-    return (np.arange(ids.shape[1])[None, :] < length).astype(dtype)
-
-
-def caption_targets(ids: np.ndarray) -> np.ndarray:
-    """``labels_with_ignore``: ids outside the mask set to -1, the first position dropped and
-    a -1 appended (official dataset, §2.5)."""
-    labels = np.where(caption_masks(ids) > 0, ids, -1).astype(np.int64)
-    return np.concatenate([labels[:, 1:], np.full((len(ids), 1), -1, np.int64)], axis=1)
-
-
-def torch_batch(batch: dict[str, np.ndarray], streams: tuple[str, ...],
-                spatial_info: Any | None) -> TorchBatch:
-    """Our host batch as the official loop receives it (channels first, int64 ids,
-    ``labels_with_ignore``, masks in the grids' dtype; AddSpatialInfo when given)."""
-    import torch
-
-    def grid(x: np.ndarray) -> Any:
-        t = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-        return spatial_info(t) if spatial_info is not None else t
-
-    pairs = {}
-    for stream in streams:
-        after_key, caption_key = STREAM_KEYS[stream]
-        ids = batch[caption_key]
-        pairs[stream] = TorchPair(
-            grid(batch[after_key]), torch.from_numpy(ids.astype(np.int64)),
-            torch.from_numpy(caption_targets(ids)),
-            torch.from_numpy(caption_masks(ids, batch["before"].dtype)))
-    return TorchBatch(grid(batch["before"]), pairs)
-
-
 # ---------------------------------------------------------------------------------------------
 # The official side
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class OfficialSide:
-    """The official modules with their optimiser and schedule, and the steps taken."""
-
-    adapter: Adapter
-    model: OfficialModel
-    cfg: Any
-    optimizer: Any
-    scheduler: Any
-    steps_per_epoch: int
-    step: int = 0
-
-
-def disable_dropout(modules: list[Any]) -> None:
-    """Dropout probability 0 in every ``nn.Dropout`` and ``nn.MultiheadAttention``; the
-    modules stay in train mode, as the official loop runs them."""
-    import torch
-
-    for module in modules:
-        module.train()
-        for sub in module.modules():
-            if isinstance(sub, torch.nn.Dropout):
-                sub.p = 0.0
-            elif isinstance(sub, torch.nn.MultiheadAttention):
-                sub.dropout = 0.0
-
-
-def build_modules(adapter: Adapter, config: ml_collections.ConfigDict, root: Path,
-                  lib: dict[str, Any], overrides: list[tuple[str, Any]]
-                  ) -> tuple[Any, OfficialModel, Any]:
-    """The official cfg (the script's yaml, then ``overrides``), modules (after the script's
-    seed, ``config.seed``) and optimiser (``build_optimizer`` on the trained modules)."""
-    import torch
-
-    cfg = off.load_cfg(lib["configs.config_transformer"], root, adapter.yaml(config.model),
-                       overrides)
-    torch.manual_seed(config.seed)  # train.py seeds torch with 1111, as config.seed
-    model = adapter.build(lib, cfg, config.model)
-    params = [p for m in model.trained for p in m.parameters()]
-    return cfg, model, lib["utils.utils"].build_optimizer(params, cfg)
-
-
-def clip_gradients(model: OfficialModel, cfg: Any) -> None:
-    """train.py's clipping: each trained module's norm separately, unless grad_clip is -1."""
-    import torch
-
-    if cfg.train.grad_clip != -1.0:
-        for module in model.trained:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
-
-
 def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options: Options,
                    inputs: Inputs, lib: dict[str, Any]) -> OfficialSide:
-    """The official cfg, modules, optimiser and schedule (``lib``: the imported checkout)."""
-    import torch
-
+    """The official modules, optimiser and schedule (``lib``: the imported checkout)."""
     root = Path(options.official_repo).expanduser().resolve()
-    s = inputs.sizes
-    overrides = adapter.cfg_overrides(config, s.feature_channels, s.vocab_size, s.max_len)
-    overrides += [off.parse_cfg_override(o) for o in options.official_cfg]
-    cfg, model, optimizer = build_modules(adapter, config, root, lib, overrides)
-    disable_dropout(list(model.modules.values()))
-    scheduler = torch.optim.lr_scheduler.StepLR(
-        optimizer, step_size=cfg.train.optim.step_size, gamma=cfg.train.optim.gamma)
-    return OfficialSide(adapter, model, cfg, optimizer, scheduler, inputs.steps_per_epoch)
+    official_cfg = [adapter.parse_official_cfg(o) for o in options.official_cfg]
+    return adapter.build_side(config, root, lib, inputs.sizes, official_cfg,
+                              inputs.steps_per_epoch)
 
 
 def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
     """One iteration of the official loop body; returns its losses, norm and lr."""
-    optimizer, cfg = side.optimizer, side.cfg
+    optimizer = side.optimizer
     optimizer.zero_grad()
     losses = side.adapter.losses(side.model, batch)
     losses["total"].backward()
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-    clip_gradients(side.model, cfg)
+    side.adapter.clip(side)
+    if side.lr_at is not None:  # the loop sets each step's lr itself (IDC's finetune.py)
+        for group in optimizer.param_groups:
+            group["lr"] = side.lr_at(side.step)
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     side.adapter.after_step(side.model)
     side.step += 1
-    if side.step % side.steps_per_epoch == 0:  # the end of an epoch: lr_scheduler.step()
-        side.scheduler.step()
+    if side.scheduler is not None and side.step % side.steps_per_epoch == 0:
+        side.scheduler.step()  # the end of an epoch: lr_scheduler.step()
     return {**{k: v.item() for k, v in losses.items()}, "grad_norm": norm, "lr": lr}
 
 
 def trim_position_tables(states: dict[str, dict[str, np.ndarray]],
                          sizes: tables.Sizes) -> dict[str, dict[str, np.ndarray]]:
     """The official grid position tables cut to the grid's rows (``POSITION_TABLES``)."""
+    if ENCODER not in states:  # a model without grid position tables (IDC-PCL)
+        return states
     encoder = dict(states[ENCODER])
     for key, size_name in POSITION_TABLES.items():
         rows = getattr(sizes, size_name)
@@ -309,16 +232,24 @@ class OursSide:
     aux_terms: tuple[str, ...]
 
 
+def convert(config: ml_collections.ConfigDict, inputs: Inputs,
+            states: dict[str, dict[str, np.ndarray]],
+            snapshot_sources: tuple[str, ...]) -> Any:
+    """The official modules' state_dicts as our parameters (the project's converter)."""
+    snapshot = OfficialSnapshot(Path("<the official modules>"),
+                                {k: states[k] for k in snapshot_sources}, None, 0)
+    extra = {k: v for k, v in states.items() if k not in snapshot_sources}
+    return converter.convert_params(config, snapshot, inputs.sizes, extra_states=extra)
+
+
 def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
-               states: dict[str, dict[str, np.ndarray]], dtype: Any = np.float32) -> OursSide:
+               states: dict[str, dict[str, np.ndarray]], dtype: Any = np.float32,
+               snapshot_sources: tuple[str, ...] = (ENCODER, DECODER)) -> OursSide:
     """The official initialisation through the converter (parameters, and so the Adam
     moments, in ``dtype``), the trainer's optimiser and step computing in ``dtype``, on one
     device."""
-    snapshot = OfficialSnapshot(Path("<the official initialisation>"),
-                                {k: states[k] for k in OFFICIAL_SOURCES}, None, 0)
-    extra = {k: v for k, v in states.items() if k not in OFFICIAL_SOURCES}
-    params = converter.convert_params(config, snapshot, inputs.sizes, extra_states=extra)
-    params = jax.tree.map(lambda x: np.asarray(x, dtype), params)
+    params = jax.tree.map(lambda x: np.asarray(x, dtype),
+                          convert(config, inputs, states, snapshot_sources))
     mesh = parallel.make_mesh(1)
     optimizer, schedule = optimizers.make_optimizer(config.optim, inputs.steps_per_epoch)
     step_fn = caption_step.make_train_step(model, optimizer, dict(config.loss_weights), mesh,
@@ -331,6 +262,13 @@ def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
     state = jax.device_put(state, parallel.replicated(mesh))
     return OursSide(step_fn, state, parallel.batch_sharding(mesh),
                     tuple(config.optim.get("frozen", ())), tuple(config.loss_weights))
+
+
+def inputs_key(side: OursSide) -> jax.Array:
+    """The ``"inputs"`` rng our next train step gives the model (update.py,
+    caption_step.py): ``fold_in(fold_in(rng, step), INPUTS_FOLD)``."""
+    step_rng = jax.random.fold_in(side.state.rng, side.state.step)
+    return jax.random.fold_in(step_rng, INPUTS_FOLD)
 
 
 def ours_step(side: OursSide, batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -426,39 +364,52 @@ def compare(config: ml_collections.ConfigDict, options: Options,
     """Runs ``options.steps`` steps on both sides; ``log`` sees every row as it is made."""
     f64.check_precision(options.precision)
     config, adapter, notes = prepare(config, options)
-    lib = off.import_official(options.official_repo, adapter.module_names(config.model))
+    root = Path(options.official_repo).expanduser().resolve()
+    lib = adapter.import_lib(root, config.model)
     inputs = (random_inputs if options.inputs == "random" else dataset_inputs)(config, options)
     model = models.build(config.model, vocab_size=inputs.sizes.vocab_size,
                          max_len=inputs.sizes.max_len)
+    inputs.sizes = adapter.fit_sizes(inputs.sizes, model)
     terms = ("caption", *config.loss_weights, "total")
     with off.running_official(), jax.default_matmul_precision("highest"), \
             f64.jax_precision(options.precision):
         side = build_official(adapter, config, options, inputs, lib)
         notes += adapter.differences(config, side.cfg)
         if options.precision == "float64":
-            notes += f64.official_to_float64(side.model)
-        rows, noise = run_steps(config, options, model, inputs, side, terms, log)
+            notes += f64.official_to_float64(side.model, adapter.pe_table)
+        rows, noise, ours = run_steps(config, options, model, inputs, side, terms, log)
+    evaluation = None
+    if options.evaluate:
+        if options.out is None:
+            raise ReproduceError("--evaluate needs an output folder (--out)")
+        states = trim_position_tables(adapter.states(side.model), inputs.sizes)
+        official = convert(config, inputs, states, adapter.snapshot_sources)
+        evaluation = evaluate.evaluate_sides(
+            config, {"ours": ours.state.params, "official": official}, options.steps,
+            Path(options.out), tuple(options.evaluate))
     settings = {"model": config.model.name, "repository": adapter.repository,
                 "script": adapter.script(config.model), "yaml": adapter.yaml(config.model),
                 "inputs": inputs.description, "batch_size": config.batch_size,
                 "steps": options.steps, "steps_per_epoch": inputs.steps_per_epoch,
                 "official_cfg": list(options.official_cfg), "rtol": options.rtol,
+                "evaluate": list(options.evaluate),
                 "atol": options.atol, "precision": options.precision,
                 "float_noise_params": list(noise), "config": config.to_dict()}
     summary = {**summarize(rows, terms, options.rtol, options.atol),
                "precision": options.precision}
-    return Result(rows, summary, notes, settings)
+    return Result(rows, summary, notes, settings, evaluation)
 
 
 def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, inputs: Inputs,
               side: OfficialSide, terms: tuple[str, ...],
-              log: Callable[[dict[str, Any]], None]) -> tuple[list[dict[str, Any]],
-                                                              tuple[str, ...]]:
+              log: Callable[[dict[str, Any]], None]
+              ) -> tuple[list[dict[str, Any]], tuple[str, ...], OursSide]:
     """Our side built from the official initialisation, then the steps of both sides in
-    ``options.precision``; the rows and the float-noise parameters found at step 1."""
+    ``options.precision``; the rows, the float-noise parameters found at step 1 and our
+    side."""
     adapter, dtype = side.adapter, f64.host_dtype(options.precision)
     states = trim_position_tables(adapter.states(side.model), inputs.sizes)
-    ours = build_ours(config, model, inputs, states, dtype)
+    ours = build_ours(config, model, inputs, states, dtype, adapter.snapshot_sources)
     entries = registry.converter_for(config.model.name).table(config.model, inputs.sizes)
     initial = tables.apply_table(entries, states, dtype)
     rows: list[dict[str, Any]] = []
@@ -467,7 +418,8 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
         if step == 1 and options.precision == "float64":
             check_ours_float64(ours, batch)
         with f64.torch_precision(options.precision), f64.official_guard(options.precision):
-            tb = torch_batch(batch, tuple(model.streams), side.model.spatial_info)
+            tb = adapter.torch_batch(batch, model, tuple(model.streams),
+                                     side.model.spatial_info, inputs_key(ours))
             official = _official_step_with_hint(side, tb, step)
         mine = ours_step(ours, batch)
         if step == 1:
@@ -476,7 +428,7 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
         diff = param_difference(entries, states, ours.state.params, noise, initial)
         rows.append(make_row(step, terms, official, mine, diff))
         log(rows[-1])
-    return rows, noise
+    return rows, noise, ours
 
 
 def check_ours_float64(ours: OursSide, batch: dict[str, np.ndarray]) -> None:
