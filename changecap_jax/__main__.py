@@ -10,7 +10,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from changecap_jax.cpu import allocator
+from changecap_jax.cpu import allocator, platforms
 
 # name -> (module run as __main__, what it does)
 COMMANDS = {
@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     # Before the command's module imports JAX (cli.run would restart it after them).
+    platforms.default_to_cpu()
     allocator.restart_with_chosen_allocator()
     sys.argv = [f"changecap_jax {name}", *argv[2:]]
     runpy.run_module(COMMANDS[name][0], run_name="__main__", alter_sys=True)

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 from absl import app, flags
 
 from changecap_jax import console, cpu
-from changecap_jax.cpu import allocator
+from changecap_jax.cpu import allocator, platforms
 from changecap_jax.errors import TrainingDivergedError, UserError
 
 EXIT_USER_ERROR = UserError.exit_status
@@ -183,6 +183,8 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
     """``absl.app.run(main)`` with user errors as one line and exit status 2 (see the module
     docstring); ``argv`` defaults to ``sys.argv``."""
     argv = list(sys.argv if argv is None else argv)
+    # Before JAX starts: no accelerator here, no accelerator plugins' start-up noise.
+    platforms.default_to_cpu()
     allocator.restart_with_chosen_allocator()  # a setting the process must start with
     cpu.enable()  # the compile-time CPU tunings; each is off on accelerators
     try:

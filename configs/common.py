@@ -126,6 +126,10 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     # Stop after this many validation evaluations without improving early_stop_metric, then
     # score final_eval_splits with the best state (0 = off: train all steps, score the last).
     config.early_stop_evals = 0
+    # A jax.profiler trace of steps start..start+count-1 (process 0) into <workdir>/profile/,
+    # for TensorBoard's profile plugin: (start, count), e.g. (10, 5); () = off.
+    # docs/training.md "Profiling a run".
+    config.profile_steps = ()
     config.early_stop_metric = "CIDEr"
     # An update whose loss, gradients or new parameters are not finite stops the run before
     # anything non-finite is saved (exit status 3); True skips such updates instead (the

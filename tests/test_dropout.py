@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from changecap_jax.models import dropout
 from changecap_jax.models.dropout import Dropout, keep_mask
 
 N = 1 << 20  # elements per statistical check: the keep rate's std is ~3e-4 at p = 0.9
@@ -71,3 +72,54 @@ def test_keep_probability_resolution():
     the top of the range cannot overflow the uint32 threshold."""
     mask = np.asarray(keep_mask(jax.random.key(0), (4096,), 1.0 - 1e-12))
     assert mask.all()
+
+
+def test_masks_under_the_counter_limit_keep_their_bits():
+    """The two-word counter leaves a mask under 2**32 elements exactly as the one-word formula
+    makes it (the docstring's formula, computed here in numpy)."""
+    key, p, shape = jax.random.key(5), 0.8, (3, 7, 11)
+    s0, s1 = (np.uint32(v) for v in np.asarray(jax.random.bits(key, (2,), jnp.uint32)))
+
+    def lowbias32(x):
+        x = x ^ (x >> 16)
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> 16)
+
+    i = np.arange(np.prod(shape), dtype=np.uint32).reshape(shape)
+    with np.errstate(over="ignore"):
+        expected = lowbias32(lowbias32(i * np.uint32(0x9E3779B9) + s0) ^ s1) < np.uint32(
+            round(p * 2**32))
+    np.testing.assert_array_equal(np.asarray(keep_mask(key, shape, p)), expected)
+
+
+def test_two_word_counter_blocks(monkeypatch):
+    """Over the limit (lowered here to 2**14 so the arrays stay small), block 0 keeps the
+    one-word bits and the other blocks are new, independent-looking masks."""
+    p, key = 0.9, jax.random.key(4)
+    block = (64, 128)  # 2**13 elements, under the lowered limit
+    one_word = np.asarray(keep_mask(key, block, p))
+    monkeypatch.setattr(dropout, "COUNTER_LIMIT", 2**14)
+    mask = np.asarray(keep_mask(key, (128, *block), p))  # 2**20 elements: 128 blocks
+    np.testing.assert_array_equal(mask[0], one_word)
+    n = mask.size
+    assert _sigmas(mask.mean(), p, p * (1 - p), n) < 5
+    # A block against the next, and every block against block 0, agree as independent masks
+    # (against the one block 0, given its own keep rate q0).
+    q0, rest = mask[0].mean(), n - mask[0].size
+    for agree, expected in ((np.mean(mask[1:] == mask[:-1]), p * p + (1 - p) * (1 - p)),
+                            (np.mean(mask[1:] == mask[:1]), q0 * p + (1 - q0) * (1 - p))):
+        assert _sigmas(agree, expected, expected * (1 - expected), rest) < 5
+    with pytest.raises(dropout.DropoutSizeError, match="blocks"):
+        keep_mask(key, (2**15,), p)  # one dimension over the limit: no block to count
+
+
+def test_dropout_over_2_32_elements_traces():
+    """A global batch whose dropout mask has 2**32 elements or more (the aot check at batch
+    262144) traces; abstract evaluation, so nothing that large is allocated."""
+    x = jax.ShapeDtypeStruct((2**16, 2**9, 2**8), jnp.bfloat16)  # 2**33 elements
+    out = jax.eval_shape(
+        lambda v: Dropout(0.1).apply({}, v, deterministic=False,
+                                     rngs={"dropout": jax.random.key(0)}), x)
+    assert out.shape == x.shape and out.dtype == x.dtype

@@ -1,18 +1,21 @@
-"""Everything in the package that exists only to make CPU runs faster, in one place.
+"""Everything in the package that exists only to make CPU runs faster (or quieter), in one place.
 
 * :mod:`~changecap_jax.cpu.allocator`: the host allocator a command starts with (tcmalloc or
   glibc's tunables; a process restart, before JAX is imported);
 * :mod:`~changecap_jax.cpu.inference_options`: XLA compile options for the programs that only
   run a trained model (decoding, attention maps);
 * :mod:`~changecap_jax.cpu.kernel_gradient`: the form of a dense layer's kernel gradient that
-  XLA's CPU runtime computes fastest.
+  XLA's CPU runtime computes fastest;
+* :mod:`~changecap_jax.cpu.platforms`: ``JAX_PLATFORMS=cpu`` where the machine shows no GPU or
+  TPU and the user set none, so installed accelerator plugins do not log their failed start.
 
 The command line applies them: ``cli.run`` (every ``python -m changecap_jax...`` command)
-restarts under the allocator and calls :func:`enable`. Code that uses the library directly
-gets XLA's defaults unless it calls :func:`enable` itself. Each switches itself off where JAX
-computes on an accelerator: the allocator when a GPU or TPU platform is configured or
-installed, the compile options when the default backend is not the CPU or the program is
-lowered inside another one (an export for GPU/TPU), the kernel-gradient form through
+defaults the platform, restarts under the allocator and calls :func:`enable`. Code that uses
+the library directly gets XLA's defaults unless it calls :func:`enable` itself. Each switches
+itself off where JAX computes on an accelerator: the platform default where a GPU or TPU
+device is present, the allocator when a GPU or TPU platform is configured or installed, the
+compile options when the default backend is not the CPU or the program is lowered inside
+another one (an export for GPU/TPU), the kernel-gradient form through
 ``jax.lax.platform_dependent`` (GPU and TPU lowerings keep the folded product).
 """
 

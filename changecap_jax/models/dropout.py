@@ -17,6 +17,16 @@ element on the same CPU.
 The module is a drop-in for ``nn.Dropout``: same fields and call, same scaling (kept elements
 divided by keep_prob), ``rate == 0`` or ``deterministic`` returns the input and ``rate == 1``
 returns zeros. Only the random bits differ, so a fixed seed gives other masks than flax's.
+
+A mask of 2**32 elements or more (a large global batch: the counter counts the whole sharded
+array, not one device's part) counts with two words. The shape splits into leading dimensions
+and a trailing block of fewer than 2**32 elements; ``i`` is the position in the block and ``j``
+the block's (row-major over the leading dimensions), and
+
+    x = lowbias32(i * 0x9E3779B9 + s0) ^ s1 ^ lowbias32(j * 0x9E3779B9)
+
+``lowbias32(0) == 0``, so block 0 has the one-word formula's bits, and a mask under 2**32
+elements keeps exactly its one-word bits (the two-word path is never taken for it).
 """
 
 from __future__ import annotations
@@ -31,6 +41,13 @@ import numpy as np
 Array = jax.Array
 
 _GOLDEN = np.uint32(0x9E3779B9)  # odd: i -> i * _GOLDEN is a bijection of the 32-bit counters
+# The one-word counter's range; masks this large count blocks with a second word (module
+# docstring). A module constant so tests can take the two-word path at small sizes.
+COUNTER_LIMIT = 2**32
+
+
+class DropoutSizeError(ValueError):
+    """A mask whose blocks cannot be counted with two 32-bit words."""
 
 
 def _lowbias32(x: Array) -> Array:
@@ -46,17 +63,37 @@ def keep_mask(key: Array, shape: Sequence[int], keep_prob: float) -> Array:
     """Boolean mask of ``shape``: each element True with probability ``keep_prob``.
 
     The probability is ``round(keep_prob * 2**32) / 2**32``, exact to 2**-32. Masks of one
-    key are a pure function of the element's flat position, so they do not depend on how XLA
-    schedules the computation.
+    key are a pure function of the element's position, so they do not depend on how XLA
+    schedules the computation (or shards it).
     """
+    shape = tuple(int(d) for d in shape)
     size = int(np.prod(shape, dtype=np.int64))
-    if size >= 2**32:
-        raise ValueError(f"dropout over {size} elements exceeds the 32-bit counter")
     seeds = jax.random.bits(key, (2,), jnp.uint32)
-    counter = jax.lax.iota(jnp.uint32, size).reshape(shape)
-    x = _lowbias32(counter * _GOLDEN + seeds[0]) ^ seeds[1]
+    if size < COUNTER_LIMIT:
+        counter = jax.lax.iota(jnp.uint32, size).reshape(shape)
+        x = _lowbias32(counter * _GOLDEN + seeds[0]) ^ seeds[1]
+    else:
+        x = _two_word_bits(shape, seeds)
     threshold = min(round(keep_prob * 2**32), 2**32 - 1)
     return _lowbias32(x) < np.uint32(threshold)
+
+
+def _two_word_bits(shape: tuple[int, ...], seeds: Array) -> Array:
+    """The pre-mix bits of a mask of ``COUNTER_LIMIT`` elements or more (module docstring):
+    blocks of the trailing dimensions, counted by the leading ones."""
+    # The fewest leading dimensions that leave a block under the limit: the largest block.
+    split = next((k for k in range(len(shape) + 1)
+                  if int(np.prod(shape[k:], dtype=np.int64)) < COUNTER_LIMIT), len(shape))
+    lead, block = shape[:split], shape[split:]
+    blocks = int(np.prod(lead, dtype=np.int64))
+    if blocks >= COUNTER_LIMIT:  # one dimension of 2**32 or more, or 2**64 elements
+        raise DropoutSizeError(
+            f"dropout over shape {shape}: its trailing dimensions do not split into under "
+            f"2**32 blocks of under 2**32 elements")
+    inner = jax.lax.iota(jnp.uint32, int(np.prod(block))).reshape((1,) * split + block)
+    outer = jax.lax.iota(jnp.uint32, blocks).reshape(lead + (1,) * len(block))
+    x = _lowbias32(inner * _GOLDEN + seeds[0]) ^ seeds[1]
+    return x ^ _lowbias32(outer * _GOLDEN)
 
 
 class Dropout(nn.Module):

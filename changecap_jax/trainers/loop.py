@@ -15,6 +15,7 @@ Section numbers (§) refer to docs/official/ (see its README.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from changecap_jax.errors import TrainingDivergedError
 from changecap_jax.io import checkpoints, paths, run_config
 from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.io.metric_writer import MetricWriter
+from changecap_jax.trainers import profiling
 from changecap_jax.trainers.preemption import Preempted, PreemptionNotice
 from changecap_jax.trainers.update import NONFINITE_METRIC, TrainState
 
@@ -307,9 +309,13 @@ def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
     results: dict[str, Any] = {}
     window = _Window()
     guard = FiniteGuard(skip=config.get("skip_nonfinite_updates", False))
-    with bar:  # closed on an error too: an open bar would swallow the error's line
+    profiler = profiling.StepProfiler(config.get("profile_steps", ()), task.workdir,
+                                      task.is_main, first)
+    # Both closed on an error too: an open bar would swallow the error's line, and an open
+    # trace would hold the profile of the steps before it.
+    with bar, contextlib.closing(profiler):
         for step in range(first + 1, total + 1):
-            state, metrics, key = task.run_step(state, step, streams)
+            state, metrics, key = profiler.step(step, task.run_step, state, step, streams)
             if step == first + 1:
                 bar.unpause()  # the bar starts paused: the first call compiled
             guard.add(step, metrics)

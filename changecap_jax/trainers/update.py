@@ -87,7 +87,8 @@ def make_update_step(loss_fn: LossFn, optimizer: Any, mesh: Any, schedule: Any, 
     """
     rows = dict(zero_grad_rows or {})
 
-    def update(state: TrainState, batch: dict) -> tuple:
+    # Named for the trace: profiles and HLO dumps call the program jit_train_step.
+    def train_step(state: TrainState, batch: dict) -> tuple:
         step_rng = jax.random.fold_in(state.rng, state.step)
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, batch, step_rng)
@@ -110,5 +111,5 @@ def make_update_step(loss_fn: LossFn, optimizer: Any, mesh: Any, schedule: Any, 
         return (new_state, metrics, grads) if with_grads else (new_state, metrics)
 
     repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
-    return jax.jit(update, donate_argnums=0, in_shardings=(repl, data),
+    return jax.jit(train_step, donate_argnums=0, in_shardings=(repl, data),
                    out_shardings=(repl,) * (3 if with_grads else 2))
