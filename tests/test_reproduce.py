@@ -293,8 +293,17 @@ def test_idc_pcl_finetuning_step_by_step(idc_checkout, precision, tolerance):
     assert all(r["param_rel_l2_diff"] < (0.05 if precision == "float32" else 1e-8)
                for r in result.rows), result.rows
     assert any("image_feature_scale = 16.0" in n for n in result.notes), result.notes
+    if precision == "float64":
+        return
+    # --sides=official: the official modules alone see the same batches and masks (their
+    # losses are the comparison's official column, to the bit).
+    alone = run.compare(idc_config(), dataclasses.replace(options, sides="official"))
+    assert [r["total_official"] for r in alone.rows] == [
+        r["total_official"] for r in result.rows]
+    assert "total_ours" not in alone.rows[0] and alone.summary["sides"] == "official"
     # The default (paper) lr of the json differs from the config's 5e-4: said, and shown.
-    differing = run.compare(idc_config(), dataclasses.replace(options, official_cfg=()))
+    differing = run.compare(idc_config(), dataclasses.replace(options, official_cfg=(),
+                                                              steps=2))
     assert differing.rows[0]["lr_official"] == pytest.approx(3e-5)
     assert any("learning_rate = 0.0005, official lr = 3e-05" in n for n in differing.notes)
     assert not differing.summary["losses_within_tolerance"]
@@ -317,3 +326,13 @@ def test_caption_spread_counts_a_collapse(tmp_path):
     path.write_text(json.dumps([{"caption": c} for c in ["a", "a", "a", "b"]]))
     spread = evaluate.caption_spread(path)
     assert spread == {"distinct_captions": 2, "top_caption": "a", "top_caption_share": 0.75}
+
+
+def test_real_idc_checkout():
+    """Against a real yaolinli/IDC checkout (its clver/ code), tiny sizes, float64."""
+    checkout = official_layout.real_checkout("idc")
+    options = run.Options(Path(checkout), steps=2, batch_size=2, official_cfg=("lr=0.0005",),
+                          precision="float64", **RANDOM)
+    result = run.compare(idc_config(), options)
+    assert max(result.summary["max_rel_diff"].values()) <= 1e-11, result.summary
+    assert result.summary["lr_equal"]

@@ -222,7 +222,7 @@ def write_checkout(root: Path, model: str) -> Path:
 
 def real_checkout(model: str) -> Path:
     """The real official checkout of ``model`` named by ``CHANGECAP_OFFICIAL_DIRL`` /
-    ``CHANGECAP_OFFICIAL_SCORER``; skips the calling test when the variable is unset."""
+    ``_SCORER`` / ``_IDC``; skips the calling test when the variable is unset."""
     import os
 
     import pytest
@@ -230,8 +230,10 @@ def real_checkout(model: str) -> Path:
     variable = f"CHANGECAP_OFFICIAL_{model.upper()}"
     checkout = os.environ.get(variable)
     if not checkout:
-        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of "
-                    f"tuyunbin/{'DIRL' if model == 'dirl' else 'SCORER'} to run this")
+        repository = {"dirl": "tuyunbin/DIRL", "scorer": "tuyunbin/SCORER",
+                      "idc": "yaolinli/IDC"}[model]
+        pytest.skip(f"no official checkout: set {variable}=PATH to a clone of {repository} "
+                    "to run this")
     return Path(checkout)
 
 

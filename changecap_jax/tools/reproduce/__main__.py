@@ -5,8 +5,9 @@
         [--steps_per_epoch=K] [--official_cfg=KEY=VALUE ...] [--rtol=1e-4] [--atol=0] \
         [--precision=float32|float64]
 
-PATH is a checkout of tuyunbin/DIRL (``configs/dirl.py``) or tuyunbin/SCORER
-(``configs/scorer.py``); torch must be installed (``requirements-torch.txt``). Both sides start
+PATH is a checkout of tuyunbin/DIRL (``configs/dirl.py``), tuyunbin/SCORER
+(``configs/scorer.py``) or yaolinli/IDC (``configs/idc_pcl.py``, fine-tuning: its ``clver/``
+code, reproduce/idc_pcl.py); torch must be installed (``requirements-torch.txt``). Both sides start
 from the official modules' random initialisation (converted to our parameters by the project's
 converter), see the same batches with dropout off, and train for N steps with their own
 optimiser and learning-rate schedule: the official ``build_optimizer`` + ``StepLR`` from the
@@ -26,6 +27,11 @@ paper preset without its built dataset. ``--steps_per_epoch`` sets where both sc
 cast with ``.double()`` and stepped under ``torch.set_default_dtype(torch.float64)``; a part
 of either side that would still compute in float32 is an error (``reproduce/float64.py``).
 It separates float32 rounding from real differences.
+
+``--evaluate=test`` then has both trained models caption the split and scores them the
+trainer's way (``reproduce/evaluate.py``); ``--sides=official`` trains the official modules
+alone on the batches (and IDC-PCL masks) ours would see, without the per-step comparison: does
+the official code learn on this data?
 
 Exit status: 0 when every loss term agrees at every step (|ours - official| <= atol + rtol *
 max(|ours|, |official|)), 3 when one does not, 2 for a missing argument, 1 for any other
@@ -48,9 +54,11 @@ from changecap_jax.convert import ConversionError
 from changecap_jax.tools.reproduce import evaluate, official, report, run
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py or "
-                                "configs/scorer.py, with a preset).", lock_config=False)
-flags.DEFINE_string("official_repo", None, "Checkout of tuyunbin/DIRL or tuyunbin/SCORER.")
+config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py, "
+                                "configs/scorer.py or configs/idc_pcl.py, with a preset).",
+                                lock_config=False)
+flags.DEFINE_string("official_repo", None,
+                    "Checkout of tuyunbin/DIRL, tuyunbin/SCORER or yaolinli/IDC.")
 flags.DEFINE_integer("steps", 100, "Training steps on each side.")
 flags.DEFINE_integer("batch_size", None, "Examples per step (default: the config's).")
 flags.DEFINE_string("out", None, "Output folder (default: workdir/reproduce_<config name>).")
@@ -64,6 +72,9 @@ flags.DEFINE_float("rtol", 1e-4, "Relative tolerance of the loss comparison.")
 flags.DEFINE_float("atol", 0.0, "Absolute tolerance of the loss comparison.")
 flags.DEFINE_enum("precision", "float32", ["float32", "float64"],
                   "Float precision of both sides.")
+flags.DEFINE_enum("sides", "both", list(run.SIDES),
+                  "official: train the official modules alone on the batches (and masks) ours "
+                  "would see, no comparison (with --evaluate: do they learn on this data?).")
 flags.DEFINE_list("evaluate", [], "Splits both trained models caption and are scored on "
                   "after the steps (e.g. test): does each side learn?")
 
@@ -81,9 +92,10 @@ def main(argv: list[str]) -> None:
         _usage(f"unexpected arguments {argv[1:]}")
     if not FLAGS.official_repo:
         _usage("no official checkout given: pass --official_repo=PATH (a checkout of "
-               "tuyunbin/DIRL or tuyunbin/SCORER); nothing was run")
+               "tuyunbin/DIRL, tuyunbin/SCORER or yaolinli/IDC); nothing was run")
     if FLAGS.config is None:
-        _usage("pass --config=configs/dirl.py[:PRESET] or --config=configs/scorer.py[:PRESET]")
+        _usage("pass --config=configs/dirl.py[:PRESET], --config=configs/scorer.py[:PRESET] or "
+               "--config=configs/idc_pcl.py[:PRESET]")
     if FLAGS.precision == "float64":
         # Process-wide before any JAX array exists (run.compare also scopes it to the run).
         jax.config.update("jax_enable_x64", True)
@@ -97,9 +109,13 @@ def main(argv: list[str]) -> None:
         precision=FLAGS.precision)
     name = os.path.splitext(os.path.basename(FLAGS["config"].config_filename))[0]
     out = FLAGS.out or os.path.join("workdir", f"reproduce_{name}")
-    options = dataclasses.replace(options, evaluate=tuple(FLAGS.evaluate), out=Path(out))
+    options = dataclasses.replace(options, evaluate=tuple(FLAGS.evaluate), out=Path(out),
+                                  sides=FLAGS.sides)
 
     def log(row: dict) -> None:
+        if options.sides == "official":
+            print(report.format_official_row(row), flush=True)
+            return
         if row["step"] == 1:
             print(report.header(report.loss_terms(row)))
         print(report.format_row(row), flush=True)
@@ -112,11 +128,12 @@ def main(argv: list[str]) -> None:
     paths = report.write_outputs(out, result)
     for note in result.notes:
         print(f"note: {note}")
-    print(report.format_summary(result.summary))
+    if options.sides == "both":
+        print(report.format_summary(result.summary))
     if result.evaluation:
         print(evaluate.format_results(result.evaluation))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    sys.exit(0 if result.summary["losses_within_tolerance"] else EXIT_DIFFERENT)
+    sys.exit(0 if result.summary.get("losses_within_tolerance", True) else EXIT_DIFFERENT)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ def caption_spread(captions_file: Path) -> dict[str, Any]:
 
 def evaluate_sides(config: ml_collections.ConfigDict, params: dict[str, Any], step: int,
                    out: Path, splits: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """side -> split -> {CIDEr x100, its semantic / no-change values, the caption spread};
-    writes
+    """side -> split -> {CIDEr x100, its semantic / no-change values, the caption spread} for
+    each side in ``params`` ("ours", "official"); writes
     each side's captions and metrics under ``out / side``."""
     results: dict[str, dict[str, Any]] = {}
-    for side in SIDES:
+    for side in (s for s in SIDES if s in params):
         trainer = Trainer(config, out / side)
         cast = precision.cast_floating(jax.device_get(params[side]), np.float32)
         state = update.TrainState(step=np.int32(step), params=cast, opt_state=None, rng=None)

@@ -1,4 +1,5 @@
-"""Importing a user's official checkout (tuyunbin/DIRL or tuyunbin/SCORER) next to this project.
+"""Importing a user's official checkout (tuyunbin/DIRL, tuyunbin/SCORER, yaolinli/IDC) beside
+this project.
 
 The official code imports its own top-level packages ``configs``, ``utils`` and ``models``;
 ``configs`` is also this project's config package, and the official ``configs/`` and

@@ -50,6 +50,13 @@ def format_row(row: dict[str, Any]) -> str:
             f"{row['param_max_abs_diff']:>18.3e} {row['param_rel_l2_diff']:>13.2e}")
 
 
+def format_official_row(row: dict[str, Any]) -> str:
+    """One printed line per step of ``--sides=official``."""
+    terms = ", ".join(f"{t} {row[f'{t}_official']:.4f}" for t in loss_terms(row))
+    return (f"{row['step']:>5} lr {row['lr_official']:.3e} {terms} "
+            f"grad norm {row['grad_norm_official']:.4f}")
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The printed summary of :func:`run.summarize`'s dict."""
     lines = ["over all steps, official vs ours:"]
@@ -93,6 +100,9 @@ def write_outputs(out_dir: str | Path, result: Any) -> dict[str, Path]:
     if result.evaluation:
         written["evaluation"] = result.evaluation
     write_json_atomic(paths["json"], written, indent=1)
+    if "rtol" not in result.summary:  # --sides=official: nothing to plot against
+        del paths["plot"]
+        return paths
     plot(paths["plot"], result.rows, result.summary["rtol"], result.settings)
     return paths
 

@@ -64,6 +64,7 @@ from changecap_jax.tools.reproduce.registry import get_adapter
 from changecap_jax.trainers import caption_step, optimizers, update
 
 INPUTS = ("dataset", "random")
+SIDES = ("both", "official")  # --sides=official: the official modules alone (train_official)
 # nn.Embedding(14, att_dim / 2) in models/DIRL.py and models/SCORER.py: the forward reads
 # rows 0..W-1 and 0..H-1 only, so a smaller grid compares the first rows.
 POSITION_TABLES = {"w_embedding.weight": "grid_width", "h_embedding.weight": "grid_height"}
@@ -87,6 +88,7 @@ class Options:
     atol: float = 0.0  # a loss term agrees when |ours - official| <= atol + rtol * magnitude
     precision: str = "float32"  # or "float64": both sides (reproduce/float64.py)
     evaluate: tuple[str, ...] = ()  # splits both trained models caption (evaluate.py)
+    sides: str = "both"  # or "official": train the official modules alone
     out: Path | None = None  # where evaluate writes each side's files
 
 
@@ -264,11 +266,10 @@ def build_ours(config: ml_collections.ConfigDict, model: Any, inputs: Inputs,
                     tuple(config.optim.get("frozen", ())), tuple(config.loss_weights))
 
 
-def inputs_key(side: OursSide) -> jax.Array:
-    """The ``"inputs"`` rng our next train step gives the model (update.py,
+def inputs_key(rng: jax.Array, step: Any) -> jax.Array:
+    """The ``"inputs"`` rng our train step at 0-based ``step`` gives the model (update.py,
     caption_step.py): ``fold_in(fold_in(rng, step), INPUTS_FOLD)``."""
-    step_rng = jax.random.fold_in(side.state.rng, side.state.step)
-    return jax.random.fold_in(step_rng, INPUTS_FOLD)
+    return jax.random.fold_in(jax.random.fold_in(rng, step), INPUTS_FOLD)
 
 
 def ours_step(side: OursSide, batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -345,6 +346,8 @@ def prepare(config: ml_collections.ConfigDict, options: Options
     code fixes; the adapter; notes on what was changed."""
     if options.inputs not in INPUTS:
         raise ReproduceError(f"--inputs must be one of {INPUTS}, got {options.inputs!r}")
+    if options.sides not in SIDES:
+        raise ReproduceError(f"--sides must be one of {SIDES}, got {options.sides!r}")
     if options.steps < 1:
         raise ReproduceError(f"--steps must be >= 1, got {options.steps}")
     config = ml_collections.ConfigDict(config.to_dict())
@@ -377,26 +380,31 @@ def compare(config: ml_collections.ConfigDict, options: Options,
         notes += adapter.differences(config, side.cfg)
         if options.precision == "float64":
             notes += f64.official_to_float64(side.model, adapter.pe_table)
-        rows, noise, ours = run_steps(config, options, model, inputs, side, terms, log)
+        if options.sides == "official":
+            rows, noise, trained = train_official(config, options, model, inputs, side,
+                                                  terms, log), (), {}
+        else:
+            rows, noise, ours = run_steps(config, options, model, inputs, side, terms, log)
+            trained = {"ours": ours.state.params}
     evaluation = None
     if options.evaluate:
         if options.out is None:
             raise ReproduceError("--evaluate needs an output folder (--out)")
         states = trim_position_tables(adapter.states(side.model), inputs.sizes)
-        official = convert(config, inputs, states, adapter.snapshot_sources)
-        evaluation = evaluate.evaluate_sides(
-            config, {"ours": ours.state.params, "official": official}, options.steps,
-            Path(options.out), tuple(options.evaluate))
+        trained["official"] = convert(config, inputs, states, adapter.snapshot_sources)
+        evaluation = evaluate.evaluate_sides(config, trained, options.steps,
+                                             Path(options.out), tuple(options.evaluate))
     settings = {"model": config.model.name, "repository": adapter.repository,
                 "script": adapter.script(config.model), "yaml": adapter.yaml(config.model),
                 "inputs": inputs.description, "batch_size": config.batch_size,
                 "steps": options.steps, "steps_per_epoch": inputs.steps_per_epoch,
                 "official_cfg": list(options.official_cfg), "rtol": options.rtol,
-                "evaluate": list(options.evaluate),
+                "evaluate": list(options.evaluate), "sides": options.sides,
                 "atol": options.atol, "precision": options.precision,
                 "float_noise_params": list(noise), "config": config.to_dict()}
-    summary = {**summarize(rows, terms, options.rtol, options.atol),
-               "precision": options.precision}
+    summary = ({"sides": "official", "final": rows[-1]} if options.sides == "official" else
+               summarize(rows, terms, options.rtol, options.atol))
+    summary["precision"] = options.precision
     return Result(rows, summary, notes, settings, evaluation)
 
 
@@ -419,7 +427,8 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
             check_ours_float64(ours, batch)
         with f64.torch_precision(options.precision), f64.official_guard(options.precision):
             tb = adapter.torch_batch(batch, model, tuple(model.streams),
-                                     side.model.spatial_info, inputs_key(ours))
+                                     side.model.spatial_info,
+                                     inputs_key(ours.state.rng, ours.state.step))
             official = _official_step_with_hint(side, tb, step)
         mine = ours_step(ours, batch)
         if step == 1:
@@ -429,6 +438,25 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
         rows.append(make_row(step, terms, official, mine, diff))
         log(rows[-1])
     return rows, noise, ours
+
+
+def train_official(config: ml_collections.ConfigDict, options: Options, model: Any,
+                   inputs: Inputs, side: OfficialSide, terms: tuple[str, ...],
+                   log: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """``--sides=official``: the official modules alone, on the batches (and with the
+    ``"inputs"`` rng, so the IDC-PCL masks) our trainer would give its model at each step."""
+    dtype, rng = f64.host_dtype(options.precision), jax.random.PRNGKey(config.seed)
+    rows = []
+    for step in range(1, options.steps + 1):
+        batch = model_batch(model, inputs.next_batch(model), dtype)
+        with f64.torch_precision(options.precision), f64.official_guard(options.precision):
+            tb = side.adapter.torch_batch(batch, model, tuple(model.streams),
+                                          side.model.spatial_info, inputs_key(rng, step - 1))
+            official = _official_step_with_hint(side, tb, step)
+        rows.append({"step": step, "lr_official": official["lr"],
+                     **{f"{t}_official": official[t] for t in (*terms, "grad_norm")}})
+        log(rows[-1])
+    return rows
 
 
 def check_ours_float64(ours: OursSide, batch: dict[str, np.ndarray]) -> None:
