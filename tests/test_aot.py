@@ -176,6 +176,21 @@ def test_the_topologies_carry_their_published_interconnects(monkeypatch):
         assert chip.hbm_available <= chip.hbm_bytes and chip.link_bytes_per_s > 0
 
 
+def test_the_compiled_all_reduces_are_counted_from_the_hlo():
+    class Compiled:
+        def as_text(self) -> str:
+            return (
+                "  %all-reduce = f32[512,512]{1,0} all-reduce(f32[512,512]{1,0} %p), "
+                "replica_groups={{0,1}}, to_apply=%add\n"
+                "  %ars = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce-start(f32[8]{0} %a, "
+                "bf16[4,4]{1,0} %b), replica_groups={{0,1}}\n"
+                "  %ard = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce-done(%ars)\n"
+                "  %s = f32[] add(f32[] %all-reduce.1, f32[] %x)\n")
+
+    # 512*512*4 + 8*4 + 16*2; the -done repeats the -start, an operand named so is no op.
+    assert aot_programs.all_reduce_bytes(Compiled()) == 512 * 512 * 4 + 32 + 32
+
+
 def _measured(flops: float | None, bytes_accessed: float | None) -> dict:
     memory = {"arguments": 0, "outputs": 0, "aliased": 0, "temporaries": 2**30,
               "generated_code": 0, "total": 2**30}
