@@ -246,7 +246,7 @@ def test_a_missing_cost_analysis_is_a_printed_warning(monkeypatch, capsys):
     lines = aot.report_lines(results)
     assert any(line.startswith("  warning: train_step: no XLA cost analysis") for line in lines)
     assert any("? ms HBM traffic (no cost analysis)" in line for line in lines)
-    assert aot.warnings(results) == r["warnings"]
+    assert aot.cost_warnings(results) == r["warnings"]
     # The table marks the bound too.
     assert "no cost analysis" in aot_table.rows(results)[0]
 

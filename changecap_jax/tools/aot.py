@@ -263,7 +263,7 @@ def _all_reduce_line(p: dict[str, Any]) -> str:
     return line + f" -> >= {comm['seconds'] * 1e3:.2f} ms, bound by {comm['bound_by']}"
 
 
-def warnings(results: dict[str, Any]) -> list[str]:
+def cost_warnings(results: dict[str, Any]) -> list[str]:
     """Every program's warnings (a missing cost analysis)."""
     return [w for p in results["programs"] for w in p.get("warnings", ())]
 
@@ -325,7 +325,7 @@ def main(argv: list[str]) -> None:
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()))
     print("\n".join(report_lines(results)), flush=True)
-    for line in warnings(results):  # also on stderr: a bound without its memory term
+    for line in cost_warnings(results):  # also on stderr: a bound without its memory term
         print(f"warning: {line}", file=sys.stderr, flush=True)
     if FLAGS.json:
         from changecap_jax.io.jsonio import write_json_atomic
