@@ -12,6 +12,7 @@ skips without it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from changecap_jax.tools import aot, aot_programs, aot_table, gpu_specs, tpu_specs
+from changecap_jax.tools import aot, aot_programs, aot_table, gpu_specs, interconnect, tpu_specs
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -137,8 +138,117 @@ def test_the_docs_table_has_a_row_per_program(tmp_path):
     lines = aot_table.table([str(path)]).splitlines()
     assert len(lines) == 3 and lines[1].count("|") == lines[0].count("|")
     assert lines[2].startswith("| dirl.py:clevr_change bfloat16 | v6e-16 (16 chips, 2 hosts) | "
-                               "train_step | 128 (8) | 2.00 of 31.25 GiB | 918 | 1.0 ms "
-                               "(compute) | 128,000 |")
+                               "train_step | 128 (8) | 2.00 of 31.25 GiB | 918 | - | none | "
+                               "1.0 ms (compute) | 128,000 |")
+
+
+def test_a_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_payload():
+    # 8 chips on one ICI at 200 GB/s each way: 2 * 7/8 * 100 MB = 175 MB in 0.875 ms.
+    ici = interconnect.Interconnect(8, 1, 200e9, "ICI")
+    comm = interconnect.allreduce(100e6, ici)
+    assert comm["intra_bytes"] == pytest.approx(175e6) and comm["inter_bytes"] == 0
+    assert comm["seconds"] == pytest.approx(875e-6) and comm["bound_by"] == "ICI"
+    # 2 hosts of 8 GPUs: NVLink at 450 GB/s each way (175 MB: 0.389 ms); between the hosts
+    # each host sends 2 * 1/2 * 100 MB = 100 MB through 3200 Gb/s = 400 GB/s (0.25 ms); at
+    # 800 Gb/s (100 GB/s) the network bounds it: 1 ms.
+    gpus = interconnect.Interconnect(8, 2, 450e9, "NVLink", 400e9, "network")
+    comm = interconnect.allreduce(100e6, gpus)
+    assert comm["inter_bytes"] == pytest.approx(100e6)
+    assert comm["seconds"] == pytest.approx(175e6 / 450e9) and comm["bound_by"] == "NVLink"
+    slow = dataclasses.replace(gpus, network_bytes_per_s=100e9)
+    assert interconnect.allreduce(100e6, slow)["seconds"] == pytest.approx(1e-3)
+    assert interconnect.allreduce(100e6, slow)["bound_by"] == "network"
+    assert interconnect.ring_bytes(100e6, 1) == 0  # one device: nothing to reduce
+
+
+def test_the_topologies_carry_their_published_interconnects(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    v5e = aot.resolve_topology("v5e:4x4").fabric()  # ICI spans the slice's 4 hosts
+    assert (v5e.devices_per_host, v5e.hosts, v5e.link_bytes_per_s) == (16, 1, 200e9)
+    h100 = aot.resolve_topology("h100:2x8").fabric()
+    assert (h100.devices_per_host, h100.hosts, h100.link_bytes_per_s) == (8, 2, 450e9)
+    assert h100.network_bytes_per_s == 400e9 and "assumed" in h100.network
+    assert aot.resolve_topology("h100:2x8", 1600).fabric().network_bytes_per_s == 200e9
+    with pytest.raises(tpu_specs.TopologyError):
+        aot.resolve_topology("h100:2x8", 0)
+    # What the compiler lets a program use never exceeds the capacity recorded.
+    for chip in tpu_specs.CHIPS.values():
+        assert chip.hbm_available <= chip.hbm_bytes and chip.link_bytes_per_s > 0
+
+
+def test_the_compiled_all_reduces_are_counted_from_the_hlo():
+    class Compiled:
+        def as_text(self) -> str:
+            return (
+                "  %all-reduce = f32[512,512]{1,0} all-reduce(f32[512,512]{1,0} %p), "
+                "replica_groups={{0,1}}, to_apply=%add\n"
+                "  %ars = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce-start(f32[8]{0} %a, "
+                "bf16[4,4]{1,0} %b), replica_groups={{0,1}}\n"
+                "  %ard = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce-done(%ars)\n"
+                "  %s = f32[] add(f32[] %all-reduce.1, f32[] %x)\n")
+
+    # 512*512*4 + 8*4 + 16*2; the -done repeats the -start, an operand named so is no op.
+    assert aot_programs.all_reduce_bytes(Compiled()) == 512 * 512 * 4 + 32 + 32
+
+
+def _measured(flops: float | None, bytes_accessed: float | None) -> dict:
+    memory = {"arguments": 0, "outputs": 0, "aliased": 0, "temporaries": 2**30,
+              "generated_code": 0, "total": 2**30}
+    return {"memory": memory, "flops": flops, "bytes_accessed": bytes_accessed,
+            "dot_flops": 0.0, "loops_counted_once": 0, "lower_s": 1.0, "compile_s": 1.0}
+
+
+def test_the_roofline_is_the_largest_of_compute_memory_and_communication():
+    chip = tpu_specs.CHIPS["v5e"]  # 197 TFLOP/s, 819 GB/s, ICI 200 GB/s each way
+    ici = aot.resolve_topology("v5e:2x2").fabric()
+    # 400 MB of gradients over 4 chips: 2 * 3/4 * 400 MB = 600 MB at 200 GB/s = 3 ms, under
+    # 1.97 TFLOP at 197 TFLOP/s (10 ms): compute bounds this one.
+    program = dataclasses.replace(_program(), gradient_bytes=400_000_000, param_count=10**8)
+    r = aot_programs.analyse(program, _measured(1.97e12, 8.19e8), chip, chips=4, fabric=ici)
+    assert r["roofline_comm_s"] == pytest.approx(3e-3) and r["bound_by"] == "compute"
+    assert r["roofline_s"] == pytest.approx(10e-3)
+    # Little compute and traffic: the all-reduce bounds the step.
+    r = aot_programs.analyse(program, _measured(1.97e11, 8.19e8), chip, chips=4, fabric=ici)
+    assert r["bound_by"] == "communication" and r["roofline_s"] == pytest.approx(3e-3)
+    assert r["roofline_per_s"] == pytest.approx(64 / 3e-3) and r["param_count"] == 10**8
+    # HBM traffic above both.
+    r = aot_programs.analyse(program, _measured(1.97e11, 8.19e9), chip, chips=4, fabric=ici)
+    assert r["bound_by"] == "memory" and r["roofline_s"] == pytest.approx(10e-3)
+    assert not r["warnings"]
+    # Decoding updates nothing: no all-reduce.
+    r = aot_programs.analyse(_program(), _measured(1.97e11, 8.19e8), chip, chips=4, fabric=ici)
+    assert r["all_reduce"] is None and r["roofline_comm_s"] == 0
+
+
+def test_a_missing_cost_analysis_is_a_printed_warning(monkeypatch, capsys):
+    import jax
+    import jax.numpy as jnp
+
+    # Neither the executable's own analysis nor jaxlib's private fallback answers.
+    monkeypatch.setattr(aot_programs, "xla_cost",
+                        lambda c: {"flops": None, "bytes_accessed": None})
+    monkeypatch.setattr(aot_programs, "module_cost",
+                        lambda c: {"flops": None, "bytes_accessed": None})
+    fn = jax.jit(lambda a: a @ a)
+    spec = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    program = aot_programs.Program("train_step", fn, (spec,), 64, "examples", 0)
+    measured = aot_programs.compile_program(program)
+    assert measured["cost_source"] is None
+    chip = tpu_specs.CHIPS["v5e"]
+    r = aot_programs.analyse(program, measured, chip, chips=1)
+    assert r["warnings"] and "no XLA cost analysis" in r["warnings"][0]
+    results = {"preset": "p", "accelerator_type": None, "topology": "v5e:1x1", "chips": 1,
+               "device_kind": "TPU v5 lite", "chip": "v5e", "hosts": 1,
+               "compute_dtype": "float32", "hbm_bytes": chip.hbm_bytes,
+               "hbm_available": chip.hbm_available, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
+               "bf16_flop_per_s": chip.bf16_flop_per_s, "chip_source": chip.source,
+               "link": "ICI", "link_bytes_per_s": chip.link_bytes_per_s, "programs": [r]}
+    lines = aot.report_lines(results)
+    assert any(line.startswith("  warning: train_step: no XLA cost analysis") for line in lines)
+    assert any("? ms HBM traffic (no cost analysis)" in line for line in lines)
+    assert aot.cost_warnings(results) == r["warnings"]
+    # The table marks the bound too.
+    assert "no cost analysis" in aot_table.rows(results)[0]
 
 
 def test_the_compilers_refusal_becomes_one_line_saying_by_how_much():
@@ -190,7 +300,20 @@ def test_the_tiny_preset_compiles_for_a_slice(tmp_path, topology, hosts):
         assert p["fits"] and 0 < p["hbm_used"] < p["hbm_available"]
         assert p["flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_per_s"] > 0
         assert p["largest_batch_estimate"] >= 32
+        assert p["param_count"] > 0 and not p["warnings"]
+    step = r["programs"][0]
+    # Float32 gradients: 4 bytes a parameter, all-reduced over the slice's ICI.
+    assert step["gradient_bytes"] == 4 * step["param_count"]
+    assert step["all_reduce"]["intra_bytes"] == pytest.approx(
+        2 * (r["chips"] - 1) / r["chips"] * step["gradient_bytes"])
+    assert step["roofline_s"] == max(step["roofline_compute_s"], step["roofline_memory_s"],
+                                     step["roofline_comm_s"])
+    # The compiled step's all-reduces carry at least the gradients.
+    assert step["compiled_all_reduce_bytes"] >= step["gradient_bytes"]
+    assert r["programs"][1]["all_reduce"] is None  # decoding
     assert "HBM per chip" in result.stdout and "roofline" in result.stdout
+    assert "parameters: " in result.stdout and "gradient all-reduce" in result.stdout
+    assert "ms all-reduce" in result.stdout and "ICI 200 GB/s" in result.stdout
 
 
 @needs_cuda_plugin
@@ -206,3 +329,8 @@ def test_the_tiny_preset_compiles_for_gpus(tmp_path):
         # No cost analysis from the plugin's executable: aot_programs.module_cost's.
         assert p["fits"] and 0 < p["hbm_used"] < p["hbm_available"]
         assert p["xla_flops"] > 0 and p["bytes_accessed"] > 0 and p["roofline_per_s"] > 0
+        assert p["cost_source"] == "module_cost" and not p["warnings"]
+    # Two hosts: NVLink within each, the assumed network between them.
+    comm = r["programs"][0]["all_reduce"]
+    assert comm["inter_bytes"] == pytest.approx(r["programs"][0]["gradient_bytes"])
+    assert "assumed" in r["network"] and "between hosts" in result.stdout

@@ -15,10 +15,18 @@ program:
   chip's published HBM (``tools/tpu_specs.py``; a GPU's: ``tools/gpu_specs.py``);
 * FLOPs (the larger of XLA's count and the traced matmuls with every loop iteration: XLA
   counts a loop body once) and bytes accessed, by XLA's cost analysis;
-* a roofline lower bound on the step's time, max(FLOPs / bf16 peak, bytes / HBM bandwidth),
-  and the examples/s it implies (XLA's own ``optimal_seconds`` comes back negative from the TPU
+* the parameter count and the gradient all-reduce of a train step: data parallelism
+  all-reduces the float32 gradients every step, ``2 (n - 1) / n`` times their bytes through
+  each chip's ICI (a GPU's NVLink, and between GPU hosts each host's network,
+  ``--host_network_gbps``, by default an assumed 8 x 400 Gb/s); ``tools/interconnect.py``.
+  The compiled program's own all-reduce bytes are printed beside it as a check;
+* a roofline lower bound on the step's time, the largest of FLOPs / bf16 peak, bytes / HBM
+  bandwidth and the all-reduce's bytes / interconnect bandwidth, saying which bounds it, and
+  the examples/s it implies (XLA's own ``optimal_seconds`` comes back negative from the TPU
   compiler, so the bound is computed from the published peaks; a GPU's float32 programs use
-  its TF32 peak);
+  its TF32 peak). A program without XLA's cost analysis (GPUs, where jaxlib's private entry
+  point ``aot_programs.module_cost`` is missing) prints a ``warning:`` line: its bound then
+  lacks the memory term;
 * an estimate of the largest global batch that fits: the state, code and outputs as a fixed
   part, the batch and every temporary as proportional to the batch (from this one compile,
   ``aot_programs.analyse``). Too high for a loss whose memory grows faster than the batch
@@ -46,6 +54,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from typing import Any
 
 from absl import app, flags
@@ -107,16 +116,17 @@ def check_cuda_plugin() -> None:
                                      f"{CUDA_PLUGIN_PINS}")
 
 
-def resolve_topology(name: str) -> tpu_specs.Topology:
+def resolve_topology(name: str, host_network_gbps: float | None = None) -> tpu_specs.Topology:
     """GPUs (``h100:8``, ``gpu_specs``) or else a TPU slice (``tpu_specs``)."""
-    return gpu_specs.resolve_topology(name) or tpu_specs.resolve_topology(name)
+    return (gpu_specs.resolve_topology(name, host_network_gbps)
+            or tpu_specs.resolve_topology(name))
 
 
 def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
-        shapes: Any = None) -> dict[str, Any]:
+        shapes: Any = None, host_network_gbps: float | None = None) -> dict[str, Any]:
     """Compiles and analyses ``config``'s programs for the slice ``topology_name``; returns
     the results (``--json``'s content)."""
-    topology = resolve_topology(topology_name)
+    topology = resolve_topology(topology_name, host_network_gbps)
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise UserError(f"--programs: unknown {sorted(unknown)}; choose from {list(PROGRAMS)}")
@@ -150,6 +160,9 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
         "bf16_flop_per_s": topology.chip.bf16_flop_per_s,
         "f32_flop_per_s": topology.chip.peak_flop_per_s("float32"),
         "memory_fraction": gpu_specs.memory_fraction() if gpu else None,
+        "link": topology.chip.link, "link_bytes_per_s": topology.chip.link_bytes_per_s,
+        "network": topology.network or None,
+        "network_bytes_per_s": topology.network_bytes_per_s if topology.hosts > 1 else None,
         "compute_dtype": compute_dtype,
         "batch_size": config.batch_size, "eval_batch_size": config.eval_batch_size,
         "input_shapes": {"feature_shape": list(shapes.feature_shape),
@@ -164,7 +177,8 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
             results["refused"] = {"program": program.name, "message": str(e)}
             break
         results["programs"].append(aot_programs.analyse(
-            program, measured, topology.chip, topology.chips, compute_dtype))
+            program, measured, topology.chip, topology.chips, compute_dtype,
+            topology.fabric()))
     return results
 
 
@@ -197,6 +211,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
              f"{r['bf16_flop_per_s'] / 1e12:.0f} bf16 TFLOP/s"
              + (f", {r['f32_flop_per_s'] / 1e12:.0f} TF32" if r.get("platform") == "cuda"
                 else "")
+             + f"; {r['link']} {r['link_bytes_per_s'] / 1e9:.0f} GB/s per chip each way"
+             + (f", {r['network']}" if r.get("network_bytes_per_s") else "")
              + f" ({r['chip_source']})"]
     for p in r["programs"]:
         m = p["memory"]
@@ -216,15 +232,40 @@ def report_lines(results: dict[str, Any]) -> list[str]:
             f"{(p['bytes_accessed'] or 0) / 1e9:.2f} GB accessed"
             + (f"; {p['loops_counted_once']} while loop(s) counted once"
                if p["loops_counted_once"] else ""),
+            f"  parameters: {p['param_count']:,}; " + _all_reduce_line(p),
             f"  roofline: >= {p['roofline_compute_s'] * 1e3:.2f} ms compute, >= "
-            f"{p['roofline_memory_s'] * 1e3:.2f} ms HBM traffic -> >= "
+            + (f"{p['roofline_memory_s'] * 1e3:.2f} ms HBM traffic"
+               if p["bytes_accessed"] is not None else "? ms HBM traffic (no cost analysis)")
+            + f", >= {p['roofline_comm_s'] * 1e3:.2f} ms all-reduce -> >= "
             f"{p['roofline_s'] * 1e3:.2f} ms ({p['bound_by']}-bound), <= "
             f"{p['roofline_per_s']:,.0f} {unit}/s",
+            *(f"  warning: {w}" for w in p.get("warnings", ())),
             f"  largest global batch that fits (estimate, linear in the batch: compile at it "
             f"to confirm): {p['largest_batch_estimate']} "
             f"{unit}; compiled in {p['lower_s'] + p['compile_s']:.0f} s",
         ]
     return lines
+
+
+def _all_reduce_line(p: dict[str, Any]) -> str:
+    compiled = p.get("compiled_all_reduce_bytes")
+    check = (f" (the compiled program's all-reduces: {compiled / 1e6:,.1f} MB)"
+             if compiled is not None else "")
+    comm = p.get("all_reduce")
+    if not comm:
+        return f"no gradient all-reduce{check}"
+    line = (f"gradient all-reduce {comm['payload_bytes'] / 1e6:,.1f} MB float32{check}: "
+            f"{comm['intra_bytes'] / 1e6:,.1f} MB sent per chip")
+    if comm["inter_bytes"]:
+        line += (f" in-host ({comm['intra_s'] * 1e3:.2f} ms), "
+                 f"{comm['inter_bytes'] / 1e6:,.1f} MB per host between hosts "
+                 f"({comm['inter_s'] * 1e3:.2f} ms)")
+    return line + f" -> >= {comm['seconds'] * 1e3:.2f} ms, bound by {comm['bound_by']}"
+
+
+def cost_warnings(results: dict[str, Any]) -> list[str]:
+    """Every program's warnings (a missing cost analysis)."""
+    return [w for p in results["programs"] for w in p.get("warnings", ())]
 
 
 def check_fits(results: dict[str, Any]) -> None:
@@ -256,6 +297,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("vocab_size", None, "Vocabulary size (datasets without recorded sizes).")
     flags.DEFINE_integer("caption_len", None, "Padded caption length (likewise).")
     flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+    flags.DEFINE_float("host_network_gbps", None,
+                       "GPUs on several hosts: each host's network bandwidth, one direction, "
+                       f"in Gb/s (default {gpu_specs.DEFAULT_HOST_NETWORK_GBPS:g}, an assumed "
+                       "8 x 400 Gb/s InfiniBand per H100 node; tools/gpu_specs.py).")
 
 
 def main(argv: list[str]) -> None:
@@ -275,10 +320,13 @@ def main(argv: list[str]) -> None:
 
         shapes = si.input_shapes(config, vocab_size=FLAGS.vocab_size,
                                  caption_len=FLAGS.caption_len)
-    results = run(config, FLAGS.topology, tuple(FLAGS.programs), shapes)
+    results = run(config, FLAGS.topology, tuple(FLAGS.programs), shapes,
+                  FLAGS.host_network_gbps)
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()))
     print("\n".join(report_lines(results)), flush=True)
+    for line in cost_warnings(results):  # also on stderr: a bound without its memory term
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     if FLAGS.json:
         from changecap_jax.io.jsonio import write_json_atomic
 

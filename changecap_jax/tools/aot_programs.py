@@ -34,7 +34,7 @@ from changecap_jax.errors import UserError
 from changecap_jax.inference import decoding
 from changecap_jax.models import precision
 from changecap_jax.models.base import conditioning_shapes
-from changecap_jax.tools import flop_count, tpu_specs
+from changecap_jax.tools import flop_count, interconnect, tpu_specs
 from changecap_jax.tools import synthetic_inputs as si
 from changecap_jax.tools.benchmark import SYNTHETIC_STEPS_PER_EPOCH, xla_cost
 from changecap_jax.trainers import captioning, optimizers, pretraining, update
@@ -61,6 +61,10 @@ class Program:
     # Whether its traced matmuls have per-chip shapes: a train step's all run inside shard_map;
     # decoding is a plain jit over the sharded batch, traced with global shapes.
     traced_per_chip: bool = True
+    param_count: int = 0  # the model's parameters (scalars)
+    # per chip: what data parallelism all-reduces each step, the float32 gradients (one copy
+    # of the parameters); 0 for a program that updates nothing (decoding)
+    gradient_bytes: int = 0
 
 
 def topology_mesh(topology: tpu_specs.Topology) -> Mesh:
@@ -100,6 +104,10 @@ def _tree_bytes(specs: Any) -> int:
     return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(specs))
 
 
+def _tree_size(specs: Any) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs))
+
+
 def build_programs(config: ml_collections.ConfigDict, mesh: Mesh, shapes: si.InputShapes,
                    include_decode: bool = True) -> list[Program]:
     """The programs of a training run of ``config`` on ``mesh`` (module docstring)."""
@@ -127,7 +135,9 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh, shapes: si.Inp
     batch = _batch_specs(example, config.batch_size, feature_dtype, data)
     programs = [Program("train_step", step, (state, batch), config.batch_size, "examples",
                         _per_chip_bytes(batch, chips),
-                        what="the update: forward, backward and optimiser, one global batch")]
+                        what="the update: forward, backward and optimiser, one global batch",
+                        param_count=_tree_size(state.params),
+                        gradient_bytes=_tree_bytes(state.params))]
     if include_decode:
         programs.append(_decode_program(config, model, state, example, feature_dtype,
                                         compute_dtype, max_len, mesh))
@@ -164,7 +174,8 @@ def _decode_program(config: ml_collections.ConfigDict, model: Any, state: Any,
     return Program("decode", fn, (params, *batch_args), size, "pairs",
                    _per_chip_bytes(batch_args, chips), resident_bytes=_tree_bytes(state),
                    what=f"evaluation: {how} of one eval batch, {max_len} tokens, with the "
-                        "train state resident", traced_per_chip=False)
+                        "train state resident", traced_per_chip=False,
+                   param_count=_tree_size(state.params))
 
 
 def _pretraining_programs(config: ml_collections.ConfigDict, mesh: Mesh,
@@ -218,7 +229,9 @@ def _pretraining_programs(config: ml_collections.ConfigDict, mesh: Mesh,
         what = (f"pretraining update of task {task}"
                 + (f", each sample with {NUM_NEGATIVES} hard negatives" if task == "fda" else ""))
         programs.append(Program(f"pretrain_{task}", step, (state, batch), samples, "samples",
-                                _per_chip_bytes(batch, chips), what=what))
+                                _per_chip_bytes(batch, chips), what=what,
+                                param_count=_tree_size(state.params),
+                                gradient_bytes=_tree_bytes(state.params)))
     return programs
 
 
@@ -254,12 +267,44 @@ def compile_program(program: Program) -> dict[str, Any]:
         raise DoesNotFitError(refusal_message(program, str(e))) from e
     compile_s = time.perf_counter() - t0 - lower_s
     dots = flop_count.jaxpr_dot_flops(traced.jaxpr)
-    cost = xla_cost(compiled)
+    cost, source = xla_cost(compiled), "xla"
     if cost["flops"] is None and cost["bytes_accessed"] is None:
-        cost = module_cost(compiled)
-    return {"memory": _memory(compiled), **cost, "dot_flops": dots.flops,
-            "loops_counted_once": dots.unknown_trip_count_loops,
+        cost, source = module_cost(compiled), "module_cost"
+    if cost["flops"] is None and cost["bytes_accessed"] is None:
+        source = None  # analyse warns: the roofline lacks its memory term
+    return {"memory": _memory(compiled), **cost, "cost_source": source,
+            "dot_flops": dots.flops, "loops_counted_once": dots.unknown_trip_count_loops,
+            "all_reduce_bytes": all_reduce_bytes(compiled),
             "lower_s": lower_s, "compile_s": compile_s}
+
+
+# An all-reduce's result type in optimised HLO text: "%x = f32[512,512]{1,0} all-reduce(" or
+# a tuple "(f32[8]{0}, bf16[4,4]{1,0}) all-reduce-start(" (asynchronous: the -done repeats it).
+_ALL_REDUCE = re.compile(r"=\s*(.+?)\s+all-reduce(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+
+
+def all_reduce_bytes(compiled: Any) -> int | None:
+    """Bytes per chip that the compiled program's all-reduces carry (their results), read from
+    its optimised HLO: a check on the gradients' count, which the communication term uses.
+    None where the executable has no HLO text."""
+    try:
+        text = compiled.as_text()
+    except Exception:  # noqa: BLE001 - a backend without it only loses the check
+        return None
+    if not text:
+        return None
+    total = 0
+    for match in _ALL_REDUCE.finditer(text):
+        for dtype, dims in _ARRAY.findall(match.group(1)):
+            itemsize = _HLO_ITEMSIZE.get(dtype)
+            if itemsize:
+                total += itemsize * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+_HLO_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
+                 "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def module_cost(compiled: Any) -> dict[str, float | None]:
@@ -303,11 +348,14 @@ def refusal_message(program: Program, error: str) -> str:
 
 
 def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
-            chips: int, compute_dtype: str = "bfloat16") -> dict[str, Any]:
+            chips: int, compute_dtype: str = "bfloat16",
+            fabric: interconnect.Interconnect | None = None) -> dict[str, Any]:
     """The per-chip figures of a compiled program against ``chip``: HBM used and its share,
-    the roofline lower bound on its time (FLOPs at the matmul peak of ``compute_dtype``, bytes
-    at the HBM bandwidth) and the throughput it implies, and an estimate of the largest global
-    batch that fits."""
+    the roofline lower bound on its time (the largest of FLOPs at the matmul peak of
+    ``compute_dtype``, bytes at the HBM bandwidth, and the gradient all-reduce over ``fabric``
+    at its links' bandwidth) and the throughput it implies, and an estimate of the largest
+    global batch that fits. A program without XLA's cost analysis gets a warning: its roofline
+    then has no memory term and counts the traced matmuls only."""
     mem = measured["memory"]
     used = mem["total"] + program.resident_bytes
     # XLA counts a loop body once; the jaxpr count takes every iteration of scans (SCORER's
@@ -316,7 +364,21 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
     flops = max(measured["flops"] or 0.0, dot_flops)
     compute_s = flops / chip.peak_flop_per_s(compute_dtype)
     memory_s = (measured["bytes_accessed"] or 0.0) / chip.hbm_bytes_per_s
-    bound_s = max(compute_s, memory_s)
+    comm = (interconnect.allreduce(program.gradient_bytes, fabric)
+            if fabric is not None and program.gradient_bytes else None)
+    comm_s = comm["seconds"] if comm else 0.0
+    terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
+    bound_by = max(terms, key=terms.get)  # ties: compute first, as before
+    bound_s = terms[bound_by]
+    warnings = []
+    if measured.get("bytes_accessed") is None or measured.get("flops") is None:
+        warnings.append(
+            f"{program.name}: no XLA cost analysis (XLA's "
+            f"{'FLOPs' if measured.get('flops') is None else 'bytes accessed'} missing: the "
+            f"compiler's executable has none and aot_programs.module_cost, a private jaxlib "
+            f"entry point, is unavailable or failed); the roofline's memory term is "
+            f"{'missing' if measured.get('bytes_accessed') is None else 'kept'} and its FLOPs "
+            f"are the traced matmuls only, so the bound may be far too low")
     per_chip_batch = program.batch / chips
     # Batch-independent: the state (parameters, optimiser), code, outputs and whatever stays
     # resident; the rest (the batch and every temporary) is taken as proportional to the
@@ -338,9 +400,13 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
         "xla_flops": measured["flops"], "dot_flops": dot_flops, "flops": flops,
         "loops_counted_once": measured["loops_counted_once"],
         "bytes_accessed": measured["bytes_accessed"],
+        "cost_source": measured.get("cost_source", "xla"),
+        "param_count": program.param_count, "gradient_bytes": program.gradient_bytes,
+        "all_reduce": comm, "compiled_all_reduce_bytes": measured.get("all_reduce_bytes"),
         "roofline_compute_s": compute_s, "roofline_memory_s": memory_s,
-        "roofline_s": bound_s, "bound_by": "compute" if compute_s >= memory_s else "memory",
+        "roofline_comm_s": comm_s,
+        "roofline_s": bound_s, "bound_by": bound_by,
         "roofline_per_s": program.batch / bound_s if bound_s else None,
-        "largest_batch_estimate": largest,
+        "largest_batch_estimate": largest, "warnings": warnings,
         "lower_s": measured["lower_s"], "compile_s": measured["compile_s"],
     }

@@ -3,8 +3,10 @@
     python -m changecap_jax.tools.aot_table RESULT.json [RESULT.json ...]
 
 One row per program of each file: preset, slice, compute dtype, global batch, per-chip HBM
-used and available, per-chip FLOPs, the roofline bound and its examples/s, the largest global
-batch estimated to fit, compile time. Reads JSON only (no JAX).
+used and available, per-chip FLOPs, the parameters, the gradient all-reduce's time bound, the
+roofline bound (the largest of compute, memory and communication, and which) and its
+examples/s, the largest global batch estimated to fit, compile time. Reads JSON only (no JAX);
+files written before the communication term show "-" for it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 HEADER = ("| preset | slice | program | batch (per chip) | HBM per chip | GFLOP per chip | "
-          "roofline per step | roofline examples/s | largest batch (est.) | compile |")
+          "parameters | all-reduce per step | roofline per step | roofline examples/s | "
+          "largest batch (est.) | compile |")
 
 
 def _preset(r: dict[str, Any]) -> str:
@@ -29,6 +32,24 @@ def _slice(r: dict[str, Any]) -> str:
     return f"{name} ({r['chips']} {unit}{hosts})"
 
 
+def _all_reduce(p: dict[str, Any]) -> str:
+    comm = p.get("all_reduce")
+    if "all_reduce" not in p:
+        return "-"
+    if not comm:
+        return "none"
+    return f"{comm['payload_bytes'] / 1e6:,.1f} MB, {comm['seconds'] * 1e3:.2f} ms"
+
+
+def _count(n: int | None) -> str:
+    return f"{n:,}" if n else "-"
+
+
+def _bound(p: dict[str, Any]) -> str:
+    unknown = ", no cost analysis" if p.get("warnings") else ""
+    return f"{p['roofline_s'] * 1e3:.1f} ms ({p['bound_by']}{unknown})"
+
+
 def rows(results: dict[str, Any]) -> list[str]:
     out = []
     for p in results["programs"]:
@@ -36,8 +57,10 @@ def rows(results: dict[str, Any]) -> list[str]:
             f"| {_preset(results)} {results['compute_dtype']} | {_slice(results)} | "
             f"{p['program']} | {p['batch']} ({p['per_chip_batch']:g}) | "
             f"{p['hbm_used'] / 2**30:.2f} of {p['hbm_available'] / 2**30:.2f} GiB | "
-            f"{p['flops'] / 1e9:,.0f} | {p['roofline_s'] * 1e3:.1f} ms ({p['bound_by']}) | "
-            f"{p['roofline_per_s']:,.0f} | {p['largest_batch_estimate']:,} | "
+            f"{p['flops'] / 1e9:,.0f} | {_count(p.get('param_count'))} | {_all_reduce(p)} | "
+            f"{_bound(p)} | "
+            f"{_count(p['roofline_per_s'] and round(p['roofline_per_s']))} | "
+            f"{_count(p['largest_batch_estimate'])} | "
             f"{p['lower_s'] + p['compile_s']:.0f} s |")
     return out
 

@@ -15,6 +15,14 @@ those of NVIDIA's A100 and H100 architecture whitepapers, the clock the SMs' max
 per-block and per-thread limits those of compute capability 8.0 and 9.0 in the CUDA C++
 programming guide.
 
+NVLink: each card page's "NVIDIA NVLink" figure (A100 600 GB/s, H100 and H200 900 GB/s) is
+the GPU's total over its links, both directions together; a GPU sends at half of it while it
+receives at the other half, so the all-reduce term (``tools/interconnect.py``) takes half.
+Between hosts NVIDIA publishes nothing per card: the network is the cluster's. The default,
+:data:`DEFAULT_HOST_NETWORK_GBPS`, is an assumption: 8 x 400 Gb/s InfiniBand NDR per host, one
+ConnectX-7 port per GPU, as NVIDIA's DGX H100 has it and H100 cloud nodes typically do;
+``aot --host_network_gbps`` overrides it with the cluster's own figure.
+
 A program gets the pool JAX's GPU client allocates: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the
 card's memory, 0.75 by default (:func:`memory_fraction`). Nothing here imports JAX.
 """
@@ -29,6 +37,8 @@ from changecap_jax.tools.tpu_specs import GB, GIB, Chip, Topology, TopologyError
 
 DEFAULT_MEMORY_FRACTION = 0.75  # JAX's GPU client's pool without XLA_PYTHON_CLIENT_MEM_FRACTION
 MAX_GPUS_PER_HOST = 16
+# Per host, one direction, in Gb/s: 8 x 400 Gb/s InfiniBand (an assumption: module docstring).
+DEFAULT_HOST_NETWORK_GBPS = 8 * 400.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +68,29 @@ class Card:
 
 
 def _card(name: str, device_kind: str, memory_gib: int, bandwidth_gb_s: int, bf16_tflops: float,
-          tf32_tflops: float, source: str, architecture: Architecture, sms: int,
-          clock_ghz: float) -> Card:
+          tf32_tflops: float, nvlink_gb_s: int, source: str, architecture: Architecture,
+          sms: int, clock_ghz: float) -> Card:
     memory = memory_gib * GIB
     chip = Chip(name, device_kind, memory, int(DEFAULT_MEMORY_FRACTION * memory),
                 bandwidth_gb_s * GB, bf16_tflops * 1e12, source, cores_per_chip=1,
-                f32_flop_per_s=tf32_tflops * 1e12)
+                f32_flop_per_s=tf32_tflops * 1e12,
+                # the published NVLink figure counts both directions (module docstring)
+                link_bytes_per_s=nvlink_gb_s * GB / 2, link="NVLink")
     return Card(chip, architecture, sms, clock_ghz)
 
 
 CARDS: dict[str, Card] = {c.chip.name: c for c in (
-    # A100 80GB SXM: "80GB HBM2e", "2,039GB/s", BF16 "312 TFLOPS | 624 TFLOPS*", TF32 "156 | 312*"
-    _card("a100", "NVIDIA A100-SXM4-80GB", 80, 2039, 312, 156,
+    # A100 80GB SXM: "80GB HBM2e", "2,039GB/s", BF16 "312 TFLOPS | 624 TFLOPS*", TF32 "156 | 312*",
+    # NVLink "600GB/s"
+    _card("a100", "NVIDIA A100-SXM4-80GB", 80, 2039, 312, 156, 600,
           "https://www.nvidia.com/en-us/data-center/a100/", AMPERE, 108, 1.41),
-    # H100 SXM: "80GB", "3.35TB/s", BF16 "1,979 teraFLOPS*", TF32 "989 teraFLOPS*" (* sparse)
-    _card("h100", "NVIDIA H100 80GB HBM3", 80, 3350, 989, 494.5,
+    # H100 SXM: "80GB", "3.35TB/s", BF16 "1,979 teraFLOPS*", TF32 "989 teraFLOPS*" (* sparse),
+    # NVLink "900GB/s"
+    _card("h100", "NVIDIA H100 80GB HBM3", 80, 3350, 989, 494.5, 900,
           "https://www.nvidia.com/en-us/data-center/h100/", HOPPER, 132, 1.98),
-    # H200 SXM: "141GB", "4.8TB/s", BF16 "1,979 TFLOPS*", TF32 "989 TFLOPS*" (* sparse)
-    _card("h200", "NVIDIA H200", 141, 4800, 989, 494.5,
+    # H200 SXM: "141GB", "4.8TB/s", BF16 "1,979 TFLOPS*", TF32 "989 TFLOPS*" (* sparse),
+    # NVLink "900GB/s"
+    _card("h200", "NVIDIA H200", 141, 4800, 989, 494.5, 900,
           "https://www.nvidia.com/en-us/data-center/h200/", HOPPER, 132, 1.98),
 )}
 
@@ -101,9 +116,10 @@ def memory_fraction() -> float:
     return fraction
 
 
-def resolve_topology(name: str) -> Topology | None:
+def resolve_topology(name: str, host_network_gbps: float | None = None) -> Topology | None:
     """The GPUs ``name`` names (``h100:8``, ``h100:2x8``), or None where ``name`` does not
-    start with a card of :data:`CARDS` (a TPU slice's name)."""
+    start with a card of :data:`CARDS` (a TPU slice's name). ``host_network_gbps``: each
+    host's network in Gb/s, one direction (default :data:`DEFAULT_HOST_NETWORK_GBPS`)."""
     name = name.strip()
     card = CARDS.get(name.partition(":")[0])
     if card is None:
@@ -116,7 +132,13 @@ def resolve_topology(name: str) -> Topology | None:
     pool = int(memory_fraction() * card.chip.hbm_bytes)
     chip = dataclasses.replace(card.chip, hbm_available=pool)
     options = {"target_config": target_config(card), "topology": f"1x{hosts}x{per_host}"}
-    return Topology(name, chip, hosts * per_host, options, platform="cuda")
+    gbps = DEFAULT_HOST_NETWORK_GBPS if host_network_gbps is None else host_network_gbps
+    if gbps <= 0:
+        raise TopologyError(f"--host_network_gbps={gbps:g}: must be positive")
+    assumed = ", assumed" if host_network_gbps is None else ""
+    return Topology(name, chip, hosts * per_host, options, platform="cuda", hosts=hosts,
+                    network_bytes_per_s=gbps * 1e9 / 8,
+                    network=f"network ({gbps:g} Gb/s per host{assumed})")
 
 
 # CUDA's limits per block and thread, the same for compute capability 8.0 and 9.0.

@@ -1,13 +1,22 @@
 """Published TPU chip figures and slice names, for ``python -m changecap_jax aot``.
 
-Each chip's HBM capacity, HBM bandwidth and bf16 peak are the figures of its Google Cloud TPU
-documentation page (``Chip.source``): bandwidths in GB/s (10^9 bytes), capacities in GiB (the
-pages write "GB" for some: the memories are powers of two, 16 GiB on a v5e). A program gets a
-little less: ``hbm_available`` is what libtpu's compiler (0.0.42.1) says is available per chip
-when it refuses a program that does not fit ("exceeds available HBM (15.75G)" on v5e, in
-GiB), measured by compiling an oversized program for each chip; the fit checks use it. The
-pages publish no float32 peak: under JAX's default matmul precision a float32 matmul on a TPU
-runs as one bf16 pass, so the bf16 peak bounds both.
+Each chip's HBM capacity, HBM bandwidth, bf16 peak and inter-chip interconnect (ICI)
+bandwidth are the figures of its Google Cloud TPU documentation page (``Chip.source``):
+bandwidths in GB/s (10^9 bytes), capacities in GiB (the pages write "GB" for some: the
+memories are powers of two, 16 GiB on a v5e). The pages have changed over time; the figures
+below are those of the copies read on 2026-11-29, and where a page has shown two figures both
+are noted. A program gets a little less: ``hbm_available`` is what libtpu's compiler
+(0.0.42.1) says is available per chip when it refuses a program that does not fit ("exceeds
+available HBM (15.75G)" on v5e, in GiB), measured by compiling an oversized program for each
+chip; the fit checks use it. The pages publish no float32 peak: under JAX's default matmul
+precision a float32 matmul on a TPU runs as one bf16 pass, so the bf16 peak bounds both.
+
+ICI: the pages give a chip's bidirectional ICI bandwidth (v5e 400 GB/s, v5p 1200, v6e 800);
+a chip sends at half of it while it receives at the other half, so the all-reduce term
+(``tools/interconnect.py``) takes half. The v4 page gives no per-chip figure, only the Pod's
+all-reduce bandwidth (1.1 PB/s over 4096 chips); that quotient is the one-direction figure
+for the others too (v5e: 51.2 TB/s / 256 = 200 GB/s, v6e: 102.4 TB/s / 256 = 400 GB/s), so
+v4's is 1.1e15 / 4096 = 268.6 GB/s.
 
 A slice is named as libtpu spells its topology (``v5e:2x2``, ``v4:2x2x1``, ``v5p:2x2x2``,
 ``v6e:4x4``), or by its Cloud accelerator type (``v5litepod-8``, ``v4-8``, ``v5p-16``,
@@ -21,6 +30,7 @@ import math
 import re
 
 from changecap_jax.errors import UserError
+from changecap_jax.tools.interconnect import Interconnect
 
 GB, GIB = 10**9, 2**30
 
@@ -39,6 +49,9 @@ class Chip:
     cores_per_chip: int  # TensorCores; v4 and v5p run both as one JAX device ("megacore")
     # float32 matmuls' peak where it differs (a GPU's TF32); a TPU's is its bf16 peak
     f32_flop_per_s: float | None = None
+    # one direction per chip (module docstring): ICI, a GPU's NVLink
+    link_bytes_per_s: float = 0.0
+    link: str = "ICI"
 
     def peak_flop_per_s(self, compute_dtype: str) -> float:
         """The matmul peak that bounds a program computing in ``compute_dtype``."""
@@ -48,18 +61,26 @@ class Chip:
 
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    # "32 GiB, 1200 GBps", "275 teraflops (bf16 or int8)"
+    # "32 GiB, 1200 GBps", "275 teraflops (bf16 or int8)", "All-reduce bandwidth per Pod
+    # 1.1 PB/s" of 4096 chips
     Chip("v4", "TPU v4", 32 * GIB, int(30.75 * GIB), 1200 * GB, 275e12,
-         "https://cloud.google.com/tpu/docs/v4", 2),
-    # "16 GB, 819 GBps", "197 TFLOPs" (bf16)
+         "https://cloud.google.com/tpu/docs/v4", 2, link_bytes_per_s=1.1e15 / 4096),
+    # "16 GB, 819 GBps" (another version of the page: "800 GiBps", 859 GB/s), "197 TFLOPs"
+    # (bf16), "Bidirectional ... ICI bandwidth (per chip) 400 GBps" (older: "1600 Gbps")
     Chip("v5e", "TPU v5 lite", 16 * GIB, int(15.75 * GIB), 819 * GB, 197e12,
-         "https://cloud.google.com/tpu/docs/v5e", 1),
-    # "95 GB, 2765 GBps", "459 TFLOPs" (bf16)
-    Chip("v5p", "TPU v5", 95 * GIB, int(95.74 * GIB), 2765 * GB, 459e12,
-         "https://cloud.google.com/tpu/docs/v5p", 2),
-    # "32 GB", "1638 GBps", "918 TFLOPs" (bf16)
+         "https://cloud.google.com/tpu/docs/v5e", 1, link_bytes_per_s=200 * GB),
+    # "95 GB, 2765 GBps" (another version: "HBM capacity per chip (GiB) 95"), "459 TFLOPs"
+    # (bf16), ICI "1200 GBps" bidirectional (older: "4800 Gbps"). The compiler lets a program
+    # use 95.74 GiB, more than 95 GiB (or GB), so the page's figure is rounded down: the
+    # capacity is taken as 96 GiB, the least whole number of GiB that holds what the
+    # compiler offers, not a published figure.
+    Chip("v5p", "TPU v5", 96 * GIB, int(95.74 * GIB), 2765 * GB, 459e12,
+         "https://cloud.google.com/tpu/docs/v5p", 2, link_bytes_per_s=600 * GB),
+    # "32 GB", "1638 GBps" (another version of the page: "1640 GBps"),
+    # "918 TFLOPs" (bf16), "Bidirectional ... ICI bandwidth (per chip) 800 GBps", "Chips per
+    # host 8"
     Chip("v6e", "TPU v6 lite", 32 * GIB, int(31.25 * GIB), 1638 * GB, 918e12,
-         "https://cloud.google.com/tpu/docs/v6e", 1),
+         "https://cloud.google.com/tpu/docs/v6e", 1, link_bytes_per_s=400 * GB),
 )}
 
 # Slice shapes by chip count. v5e and v6e slices are 2-D; v4 and v5p 3-D (their Cloud names
@@ -69,8 +90,9 @@ SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128:
 SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
              256: "4x8x8"}
 CLOUD_PREFIXES = {"v4": "v4", "v5p": "v5p", "v5e": "v5e", "v5litepod": "v5e", "v6e": "v6e"}
-# The Cloud single-host shapes of the 2-D chips: 8 chips on one host (libtpu's default
-# layout gives a 2x4 slice two hosts of 4 chips).
+# The Cloud hosts of the 2-D chips' slices of 8 chips and more: 8 chips each (the v5e page's
+# table: 2x4 on 1 host, 4x4 on 2, 4x8 on 4; the v6e page: "Chips per host 8"); libtpu's
+# default layout gives a 2x4 slice two hosts of 4 chips.
 EIGHT_CHIP_HOST = (2, 4, 1)
 
 
@@ -89,6 +111,16 @@ class Topology:
     options: dict  # chip_config_name, chips_per_host_bounds; a GPU's target_config, topology
     alias: str = ""  # the Cloud accelerator type it was given as, if any
     platform: str = "tpu"  # get_topology_desc's: tpu, cuda
+    # GPUs: the hosts and the network between them (per host, one direction); a TPU slice's
+    # ICI joins its hosts' chips directly, so its all-reduce never leaves the ICI.
+    hosts: int = 1
+    network_bytes_per_s: float | None = None
+    network: str = ""
+
+    def fabric(self) -> Interconnect:
+        """How this slice's (these GPUs') devices all-reduce (``tools/interconnect.py``)."""
+        return Interconnect(self.chips // self.hosts, self.hosts, self.chip.link_bytes_per_s,
+                            self.chip.link, self.network_bytes_per_s, self.network)
 
     @property
     def label(self) -> str:
