@@ -76,6 +76,7 @@ def _paper_model(pairs: str) -> ml_collections.ConfigDict:
         "decoder_ffn": True,
         "similarity_scale": 1.0,
         "infonce_temperature": 0.07,
+        "fusion_activation": "none",  # Eq. 12 as printed
     })
 
 

@@ -283,3 +283,18 @@ def test_table_4_switches():
     with pytest.raises(ValueError, match=r"\(B, 3, 6\)"):
         full.apply(full_vars, {**_batch(rng), "entities_semantic": np.zeros((4, 2, 6))},
                    train=False)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_fusion_activation(activation):
+    """Eq. 12 as printed (no activation: F_diff takes negative values) or with the DIRL/SCORER
+    memory's ReLU (F_diff >= 0)."""
+    rng = np.random.default_rng(7)
+    model = _model(fusion_activation=activation)
+    batch = _batch(rng)
+    variables = model.init(jax.random.key(0), batch, train=False)
+    f_diff, _ = model.apply(variables, batch["before"], batch["after_semantic"],
+                            entities=batch["entities_semantic"], method=model.encode)
+    assert (float(jnp.min(f_diff)) >= 0.0) == (activation == "relu")
+    with pytest.raises(ValueError, match="fusion_activation"):
+        _model(fusion_activation="gelu").init(jax.random.key(0), batch, train=False)

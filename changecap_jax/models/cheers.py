@@ -21,6 +21,11 @@ Method
    The Linear maps the scalar to d channels ("expanded to the same dimensions as F_target").
    We read Eq. 2's normaliser as the sum over the source positions of row i (a softmax per
    target position). ``similarity_scale`` multiplies Sim before the softmax (1 = as printed).
+   As printed, cosines in [-1, 1] over N = 64 source positions keep max_j P(i, j) within
+   [1/64, 0.105], and the trained synthetic model's CRE/DRE gates vary over positions by a
+   std of ~5e-4 (against ~0.11 over channels): a fixed per-channel gain before the LN
+   (docs/ablations.md, "CHEERS, measured piece by piece"). A larger scale spreads them; its
+   effect on the captions is not measured yet, so the presets keep 1.
 2. One HRD layer (paper §3.2.3, :class:`HRDLayer`), the module call CRE(source, target):
      C_i = CRE(F_j, F_i),  C'_i = DRE(E, F_i)                                            (Eq. 6)
      L_C = MSE(P_hat of CRE, P_hat of DRE)                                               (Eq. 7)
@@ -42,6 +47,8 @@ Method
    Stacked layers (``hrd_layers``, Fig. 6) feed D_bef, D_aft on as the next layer's F; the
    losses are averaged over layers.
 3. Fusion: F_diff = Linear(Concat[D_bef; D_aft]) over channels, then dropout        (Eq. 12).
+   ``fusion_activation="relu"`` adds a ReLU after the dropout, as the DIRL/SCORER memory
+   (Linear -> dropout -> ReLU) that CHEERS otherwise follows; "none" is Eq. 12 as printed.
 4. Gated decoder (paper §3.3, :class:`GatedDecoderLayer`): word embedding + fixed sinusoid PE, a
    Linear to d, then per layer
      H' = LN(H + SelfAttention(H))          (causal; the residual + LN is our choice)
@@ -96,6 +103,7 @@ Array = jax.Array
 
 MODES = ("common", "difference")
 GATE_ACTIVATIONS = ("sigmoid", "softmax", "identity")
+FUSION_ACTIVATIONS = ("none", "relu")
 
 
 def cosine_similarity(a: Array, b: Array, eps: float = 1e-8) -> Array:
@@ -329,10 +337,14 @@ class CHEERS(contract.TrunkModel, nn.Module):
     decoder_ffn: bool = True
     similarity_scale: float = 1.0
     infonce_temperature: float = 0.07
+    fusion_activation: str = "none"
     layer_norm_eps: float = 1e-5
 
     def setup(self) -> None:
         streams.check_pairs(self.pairs)
+        if self.fusion_activation not in FUSION_ACTIVATIONS:
+            raise ValueError(f"fusion_activation must be one of {FUSION_ACTIVATIONS}, got "
+                             f"{self.fusion_activation!r}")
         if self.entity_consistency and not (self.use_cre and self.use_dre):
             raise ValueError("entity_consistency compares the image CRE and DRE maps with the "
                              "entity ones (Eq. 7, 11): it needs use_cre=True and use_dre=True")
@@ -399,6 +411,8 @@ class CHEERS(contract.TrunkModel, nn.Module):
                                                       axis_name=axis_name))
         f_diff = self.fusion(jnp.concatenate([f_bef, f_aft], axis=-1))
         f_diff = self.dropout(f_diff, deterministic=deterministic)
+        if self.fusion_activation == "relu":
+            f_diff = nn.relu(f_diff)
         aux = {"consistency": sum(consistency) / len(consistency),
                "infonce": sum(infonce) / len(infonce)}
         return (f_diff, e), aux

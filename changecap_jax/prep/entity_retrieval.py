@@ -62,7 +62,9 @@ with the entity list's backend; pairs none of whose captions has an entity are e
 counted. Printed as a table and kept in meta.json with the chance levels 1/M and 3/M.
 
 Measured (default synthetic set, moderate distractors, 1,603 distinct entity strings, exact
-string match, contrastive, signed): test top-1 4.7%, top-3 8.3% (chance 0.06% / 0.19%). The
+string match, contrastive, signed): test top-1 4.7%, top-3 8.3% (chance 0.06% / 0.19%); on
+builder 2.0.0 3.7% / 8.7%, and 8.3% / 15.7% when any entity that picks out the changed object
+counts (``prep/entity_recall.py``, docs/ablations.md "CHEERS, measured piece by piece"). The
 grid features make the changed object hard to read from one pooled image (a linear probe on
 pooled before-after features names its colour in 35% of the test pairs); the paraphrased
 references (5.5 distinct entity strings per pair) cap the exact-string accuracy further.
