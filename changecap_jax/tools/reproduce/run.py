@@ -54,10 +54,7 @@ from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' n
     ReproduceError,
     TorchBatch,
     build_modules,
-    caption_masks,
-    caption_targets,
     clip_gradients,
-    disable_dropout,
 )
 from changecap_jax.tools.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
 from changecap_jax.tools.reproduce.registry import get_adapter
