@@ -15,6 +15,9 @@ step, so a damaged directory left in place would shadow the run's next save of t
 The renamed directory stays for inspection; orbax lists only all-digit names, so it ignores
 it (and never deletes it: the user does).
 
+A training run saves asynchronously (``make_checkpoint_manager(asynchronous=True)``,
+``config.async_checkpoints``): :func:`restore` waits for a save in flight before it reads.
+
 Without a trainer: :func:`restore_params` (a model's parameters, as exported or shown in a
 report) and :func:`restore_state` (a whole train state shaped like the one given) restore a
 workdir's checkpoint through :func:`restore`; :func:`best_first_steps` is the order in which
