@@ -79,6 +79,9 @@ def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.Config
     config.eval_every_steps = 1000
     config.checkpoint_every_steps = 1000
     config.keep_checkpoints = 3
+    # Saves write in a background thread: the steps go on while the arrays are written
+    # (docs/training_loop.md "Checkpoints"); False blocks each step until its save is on disk.
+    config.async_checkpoints = True
     config.eval_splits = ("val",)
     config.final_eval_splits = ("val", "test")
     config.num_logged_examples = 4  # generated captions printed beside references at each eval

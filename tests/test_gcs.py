@@ -160,7 +160,7 @@ def _trainer(data_dir: str, workdir: str, steps: int, final: tuple[str, ...],
 def _scalars(workdir: str) -> list[dict]:
     """scalars.jsonl without the timings."""
     lines = (paths.path(workdir) / loop.SCALARS_FILE).read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_per_second")}
+    return [{k: v for k, v in json.loads(line).items() if k not in loop.TIMING_SCALARS}
             for line in lines]
 
 

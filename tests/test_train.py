@@ -131,6 +131,76 @@ def test_failing_evaluation_keeps_the_training_since_the_last_save(data_dir, tmp
     assert manager.all_steps() == [2]
 
 
+# A training run whose async save of step 4 has written its files but is held before its
+# commit (the rename into place): the loop goes on meanwhile, then the parent kills it -9.
+KILLED_MID_SAVE = """
+import asyncio, os, sys, threading
+sys.path.insert(0, "tests")
+from orbax.checkpoint._src.path import atomicity
+from train_helpers import tiny_config
+from changecap_jax.trainers import captioning
+
+data_dir, workdir = sys.argv[1], sys.argv[2]
+commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def held(self):
+    if self._final_path.name == "4":
+        print("IN FLIGHT", threading.current_thread() is not threading.main_thread(), flush=True)
+        await asyncio.sleep(3600)
+    return await commit(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = held
+trainer = captioning.Trainer(tiny_config(data_dir, num_train_steps=8, checkpoint_every_steps=2,
+                                         async_checkpoints=True), workdir)
+run_step = trainer.run_step
+
+def noted(state, step, streams):
+    print("STEP", step, flush=True)
+    return run_step(state, step, streams)
+
+trainer.run_step = noted
+trainer.train()
+"""
+
+
+def test_a_run_killed_during_an_async_save_resumes_from_the_previous_step(data_dir, tmp_path):
+    """kill -9 while the asynchronous save of step 4 is in flight (its files written, not yet
+    renamed into place; the steps after it already running): step 4 is a temporary folder no
+    reader lists, and the rerun resumes from step 2, removes that folder, and trains on."""
+    import signal
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, data_dir, str(workdir)],
+                            cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # the save in flight, and the loop past it
+            seen.append(line.strip())
+            if "IN FLIGHT True" in seen and "STEP 5" in seen:
+                break
+        else:
+            pytest.fail(f"the run ended before the kill: {seen}")
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    directory = workdir / "checkpoints"
+    assert checkpoints.steps(directory) == [2]
+    assert any(p.name.startswith("4.orbax-checkpoint-tmp") for p in directory.iterdir())
+    rerun = captioning.Trainer(tiny_config(data_dir, num_train_steps=8,
+                                           checkpoint_every_steps=2), workdir)
+    rerun.train()
+    assert [s for s, _ in rerun.history] == [3, 4, 5, 6, 7, 8]  # from step 2
+    assert checkpoints.steps(directory)[-1] == 8
+    assert not [p.name for p in directory.iterdir() if "tmp" in p.name]
+
+
 def test_learning_rate_steps_per_epoch():
     import ml_collections
     optim = ml_collections.ConfigDict(dict(learning_rate=2e-4, decay_factor=0.1,

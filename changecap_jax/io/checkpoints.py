@@ -15,6 +15,9 @@ step, so a damaged directory left in place would shadow the run's next save of t
 The renamed directory stays for inspection; orbax lists only all-digit names, so it ignores
 it (and never deletes it: the user does).
 
+A training run saves asynchronously (``make_checkpoint_manager(asynchronous=True)``,
+``config.async_checkpoints``): :func:`restore` waits for a save in flight before it reads.
+
 Without a trainer: :func:`restore_params` (a model's parameters, as exported or shown in a
 report) and :func:`restore_state` (a whole train state shaped like the one given) restore a
 workdir's checkpoint through :func:`restore`; :func:`best_first_steps` is the order in which
@@ -30,6 +33,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,13 +68,21 @@ class CheckpointError(UserError, RuntimeError):
 
 def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
                             item_names: tuple[str, ...] = ("state", "data"), *,
-                            writer: bool = False) -> ocp.CheckpointManager:
+                            writer: bool = False,
+                            asynchronous: bool = False) -> ocp.CheckpointManager:
     """orbax manager of (train state, data iterator state) items.
 
     Keeps the latest ``keep`` checkpoints plus the one with the best ``val_CIDEr`` metric;
     every save is atomic (written to a temporary directory, renamed when complete) and
     multi-host safe. A ``writer`` (the run that owns the workdir: ``workdir_lock``) removes
     the temporary directories of saves that a killed run left unfinished.
+
+    ``asynchronous`` (a training run, ``config.async_checkpoints``): ``save`` returns once the
+    arrays are copied to host memory and the data streams' positions are written; a
+    background thread writes the arrays and renames the step into place. Until then the step
+    is a temporary directory that no reader lists, so a kill loses that step only. Whoever
+    reads what this manager saved calls ``wait_until_finished()`` first (:func:`restore` and
+    ``close()`` do), and the next ``save`` waits for the previous one.
     """
     cm = checkpoint_managers
     policy = cm.AnyPreservationPolicy([
@@ -80,7 +92,7 @@ def make_checkpoint_manager(directory: str | os.PathLike, keep: int,
                  keep_checkpoints_without_metrics=False),
     ])
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=True,
+        preservation_policy=policy, enable_async_checkpointing=asynchronous, create=True,
         cleanup_tmp_directories=writer)
     # orbax takes an epath.Path: a bucket folder as it is, a local one made absolute.
     directory = paths.path(directory)
@@ -244,6 +256,9 @@ def restore(manager: ocp.CheckpointManager,
     :class:`CheckpointError` lists them all when none is intact. ``move_damaged_aside``
     renames the passed steps to ``<step>.damaged`` (see the module docstring).
     """
+    # A save of this manager still in flight is not listed on disk yet, and would be read
+    # half-written: wait for it (a no-op for a synchronous manager or none pending).
+    manager.wait_until_finished()
     directory = paths.path(manager.directory)
     steps = sorted(manager.all_steps(), reverse=True)
     if step is not None:
@@ -342,14 +357,19 @@ def _free_name(directory: paths.AnyPath, name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-
-
 def save(manager: ocp.CheckpointManager, step: int, state: Any, streams: dict[str, Any],
-         metrics: dict[str, float] | None = None) -> None:
-    """Checkpoints the state and every data stream's position at ``step``."""
+         metrics: dict[str, float] | None = None) -> float:
+    """Checkpoints the state and every data stream's position at ``step``; returns the
+    seconds the caller was blocked (an asynchronous manager: waiting for the previous save,
+    the copy to host memory and the streams' positions; a synchronous one: the whole save).
+
+    The streams' positions are written before this returns in both modes (grain's handler is
+    synchronous), so the next batch drawn never leaks into this step's checkpoint."""
     items = {name: grain.checkpoint.CheckpointSave(it) for name, it in streams.items()}
+    began = time.perf_counter()
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), **items),
                  metrics=metrics)
+    return time.perf_counter() - began
 
 
 def restore_train_state(manager: ocp.CheckpointManager, state: Any, streams: dict[str, Any],

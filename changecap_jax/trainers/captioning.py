@@ -125,8 +125,9 @@ class Trainer:
             read=pipeline.read_ahead(self.config.get("data"), training=False))
 
     def checkpoint_manager(self) -> ocp.CheckpointManager:
-        return checkpoints.make_checkpoint_manager(self.workdir / "checkpoints",
-                                                   self.config.keep_checkpoints, writer=True)
+        return checkpoints.make_checkpoint_manager(
+            self.workdir / "checkpoints", self.config.keep_checkpoints, writer=True,
+            asynchronous=self.config.get("async_checkpoints", True))
 
     def restore(self, manager: ocp.CheckpointManager, state: TrainState, iterator: Any = None,
                 step: int | None = None, *, order: list[int] | None = None,

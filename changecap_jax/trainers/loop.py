@@ -10,6 +10,11 @@ non-finite update the same way (:class:`FiniteGuard`: before every log, evaluati
 no checkpoint holds a diverged state), save before re-raising a failed evaluation, and save and
 stop at the next step after a preemption notice (``trainers/preemption.py``).
 
+Saves are asynchronous by default (``config.async_checkpoints``, ``checkpoints``): the loop
+waits for the save in flight before it reads a checkpoint or names the last one kept, before
+raising :class:`Preempted`, and however it ends (``manager.close()``), and logs the seconds it
+was blocked in saves (``checkpoint_wait_s``, per log window).
+
 Section numbers (§) refer to docs/official/ (see its README.md).
 """
 
@@ -38,6 +43,8 @@ from changecap_jax.trainers.preemption import Preempted, PreemptionNotice
 from changecap_jax.trainers.update import NONFINITE_METRIC, TrainState
 
 SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
+# The logged scalars that measure time: they differ between two runs of the same steps.
+TIMING_SCALARS = ("steps_per_second", "examples_per_second", "checkpoint_wait_s")
 BEST_DIR = "best"  # the best-validation state and the early-stopping record
 
 
@@ -174,10 +181,13 @@ def start(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
 class _Window:
     """The steps since the last log and their wall-clock time."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_wait: float = 0.0) -> None:
         self.steps: list[tuple[str, dict]] = []
         self.examples = 0
         self.start = time.perf_counter()
+        # Seconds the loop was blocked in checkpoint saves: a save comes after the log of
+        # its step, so it is counted in the next window.
+        self.checkpoint_wait = checkpoint_wait
 
     def add(self, key: str, metrics: dict, examples: int) -> None:
         self.steps.append((key, metrics))
@@ -188,6 +198,7 @@ class _Window:
         elapsed = time.perf_counter() - self.start
         scalars["steps_per_second"] = len(self.steps) / elapsed
         scalars["examples_per_second"] = self.examples / elapsed
+        scalars["checkpoint_wait_s"] = self.checkpoint_wait
         return scalars
 
 
@@ -248,7 +259,7 @@ def _evaluate(task: Task, manager: ocp.CheckpointManager, state: TrainState, ste
         logging.error("evaluation at step %d failed; saved the checkpoint of step %d first, "
                       "so a rerun resumes here", step, step)
         checkpoints.save(manager, step, state, streams)
-        manager.wait_until_finished()
+        manager.wait_until_finished()  # on disk before the error ends the run
         raise
 
 
@@ -282,7 +293,7 @@ def run(task: Task) -> dict[str, Any]:
     finally:
         notice.close()
         if manager is not None:
-            manager.close()
+            manager.close()  # waits for a save in flight: a run ends with its saves on disk
         writer.close()
 
 
@@ -339,17 +350,18 @@ def _train(task: Task, manager: ocp.CheckpointManager, writer: MetricWriter,
                     stop = stopper.update(step, results, state)
                 bar.unpause()
             if do_save:
-                checkpoints.save(manager, step, state, streams,
-                     _checkpoint_metrics(results) if do_eval else None)
+                window.checkpoint_wait += checkpoints.save(
+                    manager, step, state, streams,
+                    _checkpoint_metrics(results) if do_eval else None)
             if preempted:
-                manager.wait_until_finished()
+                manager.wait_until_finished()  # the run stops with this step on disk
                 raise Preempted(step, manager.directory)
             if stop:
                 logging.info("early stop at step %d: val %s has not improved for %d "
                              "evaluations (best %.4f at step %d)", step, stopper.metric,
                              stopper.patience, stopper.best, stopper.best_step)
                 break
-    manager.wait_until_finished()
+    manager.wait_until_finished()  # the run's last save on disk before anything reads it
     if stopper.enabled:  # the final splits are scored with the best validation state
         best = stopper.restore(state)
         logging.info("final evaluation of the best state (step %d)", int(best.step))

@@ -448,7 +448,8 @@ class PretrainTrainer(captioning.Trainer):
         extra = tuple(f"data_{s}" for s in self.extra_streams())
         return checkpoints.make_checkpoint_manager(
             self.workdir / "checkpoints", self.config.keep_checkpoints,
-            ("state", *(f"data_{t}" for t in self.tasks), *extra), writer=True)
+            ("state", *(f"data_{t}" for t in self.tasks), *extra), writer=True,
+            asynchronous=self.config.get("async_checkpoints", True))
 
     def save(self, manager: ocp.CheckpointManager, step: int, state: update.TrainState,
              iterators: dict[str, Any]) -> None:
