@@ -319,6 +319,55 @@ def test_idc_pcl_refuses_what_the_official_script_cannot_train(idc_checkout):
                                               official_cfg=("no_such_flag=1",), **RANDOM))
 
 
+# IDC-PCL pretraining (yaolinli/IDC clver/pretrain.py)
+
+PRETRAIN_CFG = ("lr=0.0005", "warmup_steps=100")  # the synthetic preset's lr and noam warm-up
+
+
+def idc_pretrain_config(tasks: tuple[str, ...]):
+    """The synthetic pretraining preset at tiny widths, training ``tasks``."""
+    from configs import idc_pcl
+
+    config = idc_pcl.get_config("pretrain")
+    config.model.update(IDC_TINY, image_dim=6)
+    config.pretrain.tasks = tasks
+    config.pretrain.fda_batch_size = 4  # the 4 pairs of 2 examples
+    return config
+
+
+@pytest.mark.parametrize("task", ["mlm", "mvcl", "fda"])
+def test_idc_pcl_pretraining_step_by_step(idc_checkout, task):
+    """One pretraining task, float64: both sides read our masks (MLM words, MVCL regions) or
+    the same negatives (FDA), the noam lr from pretrain.py's json through para.py."""
+    options = run.Options(idc_checkout, steps=2, batch_size=2, official_cfg=PRETRAIN_CFG,
+                          precision="float64", **RANDOM)
+    result = run.compare(idc_pretrain_config((task,)), options)
+    assert [r["task"] for r in result.rows] == [task, task]
+    assert result.summary["by_task"][task]["max_rel_diff"] <= 1e-11, result.summary
+    assert result.summary["max_rel_diff"]["grad_norm"] <= 1e-11, result.summary
+    assert result.summary["lr_equal"] and result.rows[0]["lr_official"] == 1e-8
+    assert all(r["param_max_abs_diff"] < 1e-13 for r in result.rows), result.rows
+
+
+def test_idc_pcl_pretraining_catches_a_wrong_official_loss(idc_checkout, monkeypatch):
+    """A stand-in MVCL whose regions are one place off our mask shows at step 1."""
+    from torch_reference import idc_pcl as reference
+
+    right = reference.mvcl_loss
+    monkeypatch.setattr(reference, "mvcl_loss", lambda r, m, y: right(r, m.roll(1, 1), y))
+    options = run.Options(idc_checkout, steps=1, batch_size=2, official_cfg=PRETRAIN_CFG,
+                          **RANDOM)
+    result = run.compare(idc_pretrain_config(("mvcl",)), options)
+    assert not result.summary["losses_within_tolerance"], result.summary
+
+
+def test_idc_pcl_pretraining_refuses_what_pretrain_py_cannot_train(idc_checkout):
+    config = idc_pretrain_config(("mlm",))
+    config.pretrain.extra_source.dir = "/nowhere"
+    with pytest.raises(run.ReproduceError, match="cross-task source"):
+        run.compare(config, run.Options(idc_checkout, steps=1, batch_size=2, **RANDOM))
+
+
 def test_caption_spread_counts_a_collapse(tmp_path):
     from changecap_jax.tools.reproduce import evaluate
 

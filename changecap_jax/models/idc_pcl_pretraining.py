@@ -81,8 +81,29 @@ def fda_rows(img1: jax.Array, img2: jax.Array, ids: jax.Array,
 
 
 def _tokens(x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x, jnp.float32)
+    # The batch is already in the compute dtype (make_task_loss casts it).
+    x = jnp.asarray(x)
     return x.reshape(x.shape[0], -1, x.shape[-1]) if x.ndim == 4 else x
+
+
+def mlm_inputs(model: idc_pcl.IDCPCL, keys: jax.Array,
+               ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """§5.1: each caption masked by ``idc_pcl.mask_caption`` with its sample's key: (masked
+    ids, labels, -1 = no loss). Public so ``reproduce`` gives the official side these masks."""
+    mask = functools.partial(
+        idc_pcl.mask_caption, eos_id=model.eos_id, mask_id=model.mask_token,
+        num_tokens=model.num_tokens, word_probability=model.word_mask_probability,
+        eos_probability=model.eos_mask_probability)
+    return jax.vmap(mask)(keys, jnp.asarray(ids, jnp.int32))
+
+
+def mvcl_mask(keys: jax.Array, num_regions: int,
+              pseudo: jax.Array | None = None) -> jax.Array:
+    """§5.1: each sample's region mask (s, 2N), True = masked (:func:`region_mask`); public
+    so ``reproduce`` gives the official side these masks."""
+    pseudo = jnp.zeros(keys.shape[0], bool) if pseudo is None else pseudo
+    return jax.vmap(functools.partial(region_mask, num_regions=num_regions))(
+        keys, real_only=pseudo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,11 +126,7 @@ def mlm_metrics(logits: jax.Array, labels: jax.Array, axis: str) -> dict[str, ja
 
 def _mlm(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
          axis: str) -> dict[str, jax.Array]:
-    mask = functools.partial(
-        idc_pcl.mask_caption, eos_id=model.eos_id, mask_id=model.mask_token,
-        num_tokens=model.num_tokens, word_probability=model.word_mask_probability,
-        eos_probability=model.eos_mask_probability)
-    ids, labels = jax.vmap(mask)(keys, jnp.asarray(batch["ids"], jnp.int32))
+    ids, labels = mlm_inputs(model, keys, batch["ids"])
     return mlm_metrics(forward(batch["img1"], batch["img2"], ids).mlm_logits, labels, axis)
 
 
@@ -121,7 +138,7 @@ def mvcl_row_losses(regressed: jax.Array, mask: jax.Array, features: jax.Array,
     image (a pseudo pair's second image), never negatives. Returns (the NCE of each region of
     each sample's masked image, 0 at unmasked ones, (s * N,); their mask), in batch order."""
     n, c = mask.shape[1] // 2, features.shape[-1]
-    pred = idc_pcl.l2_normalize(regressed.astype(jnp.float32))  # (s, 2N, C)
+    pred = idc_pcl.l2_normalize(precision.at_least_float32(regressed))  # (s, 2N, C)
     true = idc_pcl.l2_normalize(features)
     empty = jnp.zeros_like(mask) if empty is None else empty
     # A sample's masked regions lie on one image: its N regions are the only candidate rows
@@ -160,8 +177,7 @@ def _mvcl(model: idc_pcl.IDCPCL, forward: Any, batch: dict, keys: jax.Array,
     # Pseudo pairs of a caption source (A.3): only the real image is masked, and the empty
     # image's regions are no negatives (they are no image's regions).
     pseudo = batch.get("pseudo", jnp.zeros(t1.shape[0], bool))
-    mask = jax.vmap(functools.partial(region_mask, num_regions=n))(
-        keys, real_only=pseudo)  # (s, 2N)
+    mask = mvcl_mask(keys, n, pseudo)  # (s, 2N)
     empty = jnp.concatenate([jnp.zeros((t1.shape[0], n), bool),
                              jnp.broadcast_to(pseudo[:, None], (t1.shape[0], n))], 1)
     out = forward(jnp.where(mask[:, :n, None], 0.0, t1), jnp.where(mask[:, n:, None], 0.0, t2),
@@ -177,7 +193,7 @@ def fda_metrics(visual: jax.Array, text_cls: jax.Array, samples: int, axis: str,
     sim = jnp.sum(idc_pcl.l2_normalize(visual) * idc_pcl.l2_normalize(text_cls),
                   -1).reshape(samples, -1)  # (s, 1 + K), the positive first
     log_probs = jax.nn.log_softmax(sim / temperature, -1)
-    count = jnp.float32(samples)
+    count = jnp.asarray(samples, sim.dtype)  # float64 in reproduce's float64 runs
     return {"loss": _global_mean(-jnp.sum(log_probs[:, 0]), count, axis),
             "accuracy": _global_mean(jnp.sum(jnp.argmax(sim, -1) == 0), count, axis),
             "positive_similarity": _global_mean(jnp.sum(sim[:, 0]), count, axis),
@@ -263,20 +279,22 @@ def _fgvc(classify: Any, batch: dict, axis: str,
 
 
 def make_task_loss(model: idc_pcl.IDCPCL, task: str, mesh: Any, *, train_mode: bool = True,
-                   fda_temperature: float = 1.0, classify: ClassifyLosses | None = None) -> Any:
+                   fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
+                   compute_dtype: Any = jnp.float32) -> Any:
     """(params, global batch, rng) -> (loss, metrics) of one task over the GLOBAL batch.
 
     ``rng`` is the step's key: the masks use ``fold_in(rng, INPUTS_FOLD)`` folded with
     each sample's global index, dropout ``fold_in(rng, device index)`` (as the trunk).
     ``classify``: the batch also holds a classification source's ``extra_*`` rows, whose
-    weighted losses are added to the task's (``task_loss`` is the task's alone)."""
+    weighted losses are added to the task's (``task_loss`` is the task's alone).
+    ``compute_dtype``: float32 in training; float64 in ``reproduce --precision=float64``."""
     if task not in TASKS:
         raise PretrainError(f"unknown pretraining task {task!r}; tasks: {TASKS}")
     axis = parallel.DATA_AXIS
 
     def per_device(params: Any, batch: dict, rng: jax.Array) -> tuple[jax.Array, dict]:
         # Pretraining computes in float32: half-precision stored grids are upcast here.
-        batch = precision.cast_floating(batch, jnp.float32)
+        params, batch = precision.cast_floating((params, batch), compute_dtype)
         local = batch["ids"].shape[0]
         device = jax.lax.axis_index(axis)
         keys = sample_keys(jax.random.fold_in(rng, INPUTS_FOLD),

@@ -558,14 +558,16 @@ class PretrainTrainer(captioning.Trainer):
 def make_task_step(model: Any, task: str, optimizer: Any, mesh: Any, schedule: Any,
                    *, fda_temperature: float = 1.0, classify: ClassifyLosses | None = None,
                    zero_grad_rows: dict[str, int] | None = None,
-                   with_grads: bool = False, skip_nonfinite: bool = False) -> Any:
+                   with_grads: bool = False, skip_nonfinite: bool = False,
+                   compute_dtype: Any = jnp.float32) -> Any:
     """The jitted update of one task, (state, global batch) -> (state, metrics) (and the
     gradients with ``with_grads``, for tests): ``update.make_update_step`` over
     :func:`~changecap_jax.models.idc_pcl_pretraining.make_task_loss`, with the trunk's gradient row
     mask and the model's
-    ``post_update`` where it has one. Keys as the trunk: fold_in(state.rng, step)."""
+    ``post_update`` where it has one. Keys as the trunk: fold_in(state.rng, step).
+    ``compute_dtype``: float64 for ``reproduce --precision=float64`` only."""
     loss_fn = make_task_loss(model, task, mesh, fda_temperature=fda_temperature,
-                             classify=classify)
+                             classify=classify, compute_dtype=compute_dtype)
     return make_update_step(loss_fn, optimizer, mesh, schedule, zero_grad_rows=zero_grad_rows,
                             post_update=contract.post_update_fn(model),
                             with_grads=with_grads, skip_nonfinite=skip_nonfinite)

@@ -254,6 +254,8 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--weight_decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--warmup_steps", type=int, default=4000)
+    parser.add_argument("--tmp", type=float, default=1.0)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--exp_name", required=True)
     parser.add_argument("--config", required=True)
@@ -273,11 +275,21 @@ def finetune_lr_schedule(global_step, lr):
     return lr if global_step < 10000 else lr / 2 if global_step < 20000 else lr / 4
 
 
+def noam_schedule(step, warmup_step=4000):
+    return step / warmup_step if step <= warmup_step else (warmup_step / step) ** 0.5
+
+
 def get_lr_sched(global_step, args, pretrain=True):
-    assert not pretrain
+    if pretrain:
+        return args.lr * noam_schedule(global_step, args.warmup_steps) or 1e-8
     return finetune_lr_schedule(global_step, args.lr)
 '''
 IDC_MODULES = "from torch_reference.official_layout import IdcFinetuneModel as Model  # noqa\n"
+IDC_PRETRAIN_SETTINGS = {  # clver/config/pretrain_clver.json's training values
+    **IDC_SETTINGS, "lr": 1e-4, "warmup_steps": 8000, "tmp": 1.0,
+    "pretrain_tasks": ["mlm", "mvm_contrst", "fda"]}
+IDC_PRETRAIN_MODULES = ("from torch_reference.official_layout import IdcPretrainModel as Model"
+                        "  # noqa\n")
 
 
 class IdcFinetuneModel(IDCPCL):
@@ -302,13 +314,43 @@ class IdcFinetuneModel(IDCPCL):
         return mlm, itm
 
 
+class IdcPretrainModel(IDCPCL):
+    """``clver/modules_pretrain.py``'s ``Model`` signature and ``forward(batch, task)`` over
+    the test reference: (per-token MLM CE, per-region MVCL NCE, or the FDA mean), None."""
+
+    def __init__(self, ff_dim: int, img_embs: int, n_hidden: int, n_head: int, n_block: int,
+                 img_enc_block: int, vocab_size: int, dropout: float, max_len: int,
+                 tasks: list, tmp: float, CLS: int) -> None:  # noqa: N803 (the official name)
+        super().__init__(vocab_size, CLS, "pretrain", n_hidden, img_embs, ff_dim, n_head,
+                         n_block, dropout)
+        self.fda_tmp = tmp
+
+    def forward(self, batch: dict, task: str, compute_loss: bool = True) -> tuple:
+        from .idc_pcl import fda_loss, mlm_token_losses, mvcl_loss
+
+        img1, img2 = batch["img1"], batch["img2"]
+        if task == "fda":
+            caps = batch["caps"]
+            group = caps.size(1)
+            out = self.pretrain_forward(img1.repeat_interleave(group, 0),
+                                        img2.repeat_interleave(group, 0),
+                                        caps.view(-1, caps.size(-1)))
+            return fda_loss(out.visual, out.text_cls, group, self.fda_tmp), None
+        out = self.pretrain_forward(img1, img2, batch["cap"])
+        if task == "mlm":
+            return mlm_token_losses(out.mlm_logits, batch["cap_label"]), None
+        return mvcl_loss(out.regressed, batch["img_mask"], batch["img_label"]), None
+
+
 def write_idc_checkout(root: Path) -> Path:
     """The stand-in of yaolinli/IDC's ``clver/`` files that reproduce imports."""
     import json
 
     files = {"clver/para.py": IDC_PARA, "clver/utils.py": IDC_UTILS,
              "clver/modules_finetune.py": IDC_MODULES,
-             "clver/config/finetune_clver.json": json.dumps(IDC_SETTINGS)}
+             "clver/config/finetune_clver.json": json.dumps(IDC_SETTINGS),
+             "clver/modules_pretrain.py": IDC_PRETRAIN_MODULES,
+             "clver/config/pretrain_clver.json": json.dumps(IDC_PRETRAIN_SETTINGS)}
     for path, text in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)

@@ -179,6 +179,7 @@ class Adapter:
     fixed_widths = ""  # what the official code hard-codes, for error messages
     # Converter sources held in the official snapshot; the others are extra states.
     snapshot_sources: tuple[str, ...] = (ENCODER, DECODER)
+    pretraining = False  # True: run_steps / task_summary are the adapter's (idc_pretrain.py)
 
     def script(self, model: ml_collections.ConfigDict) -> str:
         """The official training script of this config (for messages)."""
@@ -195,6 +196,10 @@ class Adapter:
     def official_weights(self, model: ml_collections.ConfigDict) -> dict[str, float]:
         """The auxiliary loss weights the script hard-codes, by our loss names."""
         raise NotImplementedError
+
+    def loss_terms(self, config: ml_collections.ConfigDict) -> tuple[str, ...]:
+        """The loss terms of a table row: caption, the config's auxiliary losses, total."""
+        return ("caption", *config.loss_weights, "total")
 
     def fit_config(self, config: ml_collections.ConfigDict) -> list[str]:
         """Checks ``config`` against what the official code can build; sets the widths it

@@ -9,13 +9,20 @@ from changecap_jax.tools.reproduce.adapters import (
     ScorerAdapter,
 )
 from changecap_jax.tools.reproduce.idc_pcl import IdcPclAdapter
+from changecap_jax.tools.reproduce.idc_pretrain import IdcPclPretrainAdapter
 
 ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter(),
                                 "idc_pcl": IdcPclAdapter()}
+# (model, config.model.stage) -> the adapter of a second official script of that model.
+STAGE_ADAPTERS: dict[tuple[str, str], Adapter] = {("idc_pcl", "pretrain"):
+                                                  IdcPclPretrainAdapter()}
 
 
-def get_adapter(model_name: str) -> Adapter:
-    """The adapter of ``config.model.name``; a clear error for a model without one."""
+def get_adapter(model_name: str, stage: str = "") -> Adapter:
+    """The adapter of ``config.model.name`` (and ``config.model.stage`` where the stage has
+    its own official script); a clear error for a model without one."""
+    if (model_name, stage) in STAGE_ADAPTERS:
+        return STAGE_ADAPTERS[(model_name, stage)]
     if model_name not in ADAPTERS:
         raise ReproduceError(f"python -m changecap_jax reproduce supports models "
                              f"{sorted(ADAPTERS)} (official code), not {model_name!r}")

@@ -44,7 +44,7 @@ from changecap_jax.data import datasets, pipeline
 from changecap_jax.data.streams import batch_keys
 from changecap_jax.models.base import INPUTS_FOLD
 from changecap_jax.tools import synthetic_inputs as si
-from changecap_jax.tools.reproduce import evaluate
+from changecap_jax.tools.reproduce import evaluate, idc_pretrain
 from changecap_jax.tools.reproduce import float64 as f64
 from changecap_jax.tools.reproduce import official as off
 from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' names)
@@ -58,7 +58,7 @@ from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' n
 )
 from changecap_jax.tools.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
 from changecap_jax.tools.reproduce.registry import get_adapter
-from changecap_jax.trainers import caption_step, optimizers, update
+from changecap_jax.trainers import caption_step, optimizers, pretraining, update
 
 INPUTS = ("dataset", "random")
 SIDES = ("both", "official")  # --sides=official: the official modules alone (train_official)
@@ -348,7 +348,7 @@ def prepare(config: ml_collections.ConfigDict, options: Options
     if options.steps < 1:
         raise ReproduceError(f"--steps must be >= 1, got {options.steps}")
     config = ml_collections.ConfigDict(config.to_dict())
-    adapter = get_adapter(config.model.name)
+    adapter = get_adapter(config.model.name, config.model.get("stage", ""))
     if options.batch_size:
         config.batch_size = options.batch_size
     notes = []
@@ -370,14 +370,20 @@ def compare(config: ml_collections.ConfigDict, options: Options,
     model = models.build(config.model, vocab_size=inputs.sizes.vocab_size,
                          max_len=inputs.sizes.max_len)
     inputs.sizes = adapter.fit_sizes(inputs.sizes, model)
-    terms = ("caption", *config.loss_weights, "total")
+    terms = adapter.loss_terms(config)
     with off.running_official(), jax.default_matmul_precision("highest"), \
             f64.jax_precision(options.precision):
         side = build_official(adapter, config, options, inputs, lib)
         notes += adapter.differences(config, side.cfg)
         if options.precision == "float64":
             notes += f64.official_to_float64(side.model, adapter.pe_table)
-        if options.sides == "official":
+        if adapter.pretraining and options.sides == "official":
+            raise ReproduceError("--sides=official is not supported for IDC pretraining")
+        if adapter.pretraining:
+            rows, noise, ours = run_pretrain_steps(config, options, model, inputs, side,
+                                                   terms, log)
+            trained = {"ours": ours.state.params}
+        elif options.sides == "official":
             rows, noise, trained = train_official(config, options, model, inputs, side,
                                                   terms, log), (), {}
         else:
@@ -402,6 +408,8 @@ def compare(config: ml_collections.ConfigDict, options: Options,
     summary = ({"sides": "official", "final": rows[-1]} if options.sides == "official" else
                summarize(rows, terms, options.rtol, options.atol))
     summary["precision"] = options.precision
+    if adapter.pretraining:
+        summary["by_task"] = idc_pretrain.task_summary(rows)
     return Result(rows, summary, notes, settings, evaluation)
 
 
@@ -435,6 +443,48 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
         rows.append(make_row(step, terms, official, mine, diff))
         log(rows[-1])
     return rows, noise, ours
+
+
+def run_pretrain_steps(config: ml_collections.ConfigDict, options: Options, model: Any,
+                       inputs: Inputs, side: OfficialSide, terms: tuple[str, ...],
+                       log: Callable[[dict[str, Any]], None]
+                       ) -> tuple[list[dict[str, Any]], tuple[str, ...], Any]:
+    """:func:`run_steps` for IDC pretraining (``idc_pretrain.py``): step t trains
+    ``draw_task(seed, t)`` on both sides; each row names its task."""
+    ip = idc_pretrain
+    if options.inputs != "random":
+        raise ReproduceError("reproduce compares IDC pretraining on --inputs=random only")
+    adapter, dtype = side.adapter, f64.host_dtype(options.precision)
+    tasks = tuple(config.pretrain.tasks)
+    probabilities = pretraining.task_probabilities(tasks, tuple(config.pretrain.task_ratio))
+    states = adapter.states(side.model)
+    params = jax.tree.map(lambda x: np.asarray(x, dtype),
+                          convert(config, inputs, states, adapter.snapshot_sources))
+    ours = ip.build_ours(config, model, params, inputs.steps_per_epoch, dtype)
+    entries = registry.converter_for(config.model.name).table(config.model, inputs.sizes)
+    initial = tables.apply_table(entries, states, dtype)
+    rows: list[dict[str, Any]] = []
+    noise: tuple[str, ...] = ()
+    for step in range(1, options.steps + 1):
+        task = pretraining.draw_task(config.seed, step, tasks, probabilities)
+        batch = model_batch(model, inputs.next_batch(model), dtype)
+        samples = ip.task_samples(config, model, batch, task)
+        if options.precision == "float64" and task not in {r["task"] for r in rows}:
+            ip.check_float64(ours, task, samples)
+        step_rng = jax.random.fold_in(ours.state.rng, ours.state.step)
+        with f64.torch_precision(options.precision), f64.official_guard(options.precision):
+            official = _official_step_with_hint(
+                side, ip.torch_samples(samples, model, task, step_rng), step)
+        mine = ip.ours_step(ours, task, samples)
+        if step == 1:
+            noise = float_noise_params(entries, adapter.gradients(side.model))
+        diff = param_difference(entries, adapter.states(side.model), ours.state.params,
+                                noise, initial)
+        rows.append({"task": task, **make_row(step, terms, official, mine, diff)})
+        log(rows[-1])
+    return rows, noise, ours
+
+
 
 
 def train_official(config: ml_collections.ConfigDict, options: Options, model: Any,
