@@ -151,9 +151,11 @@ class Classifier(nn.Module):
 def _cross_entropy(logits: Array, labels: Array, weight: Array) -> Array:
     """Mean CE over the rows with weight 1 (0 when there are none)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.clip(labels, 0)[:, None], axis=-1)[:, 0]
+    safe = jnp.clip(labels, 0, logits.shape[-1] - 1)  # rows outside the loss: any valid index
+    nll = -jnp.take_along_axis(logp, safe[:, None], axis=-1)[:, 0]
     n = jnp.sum(weight)
-    return jnp.where(n > 0, jnp.sum(nll * weight) / jnp.maximum(n, 1.0), 0.0)
+    return jnp.where(n > 0, jnp.sum(jnp.where(weight > 0, nll, 0.0) * weight)
+                     / jnp.maximum(n, 1.0), 0.0)
 
 
 def disentangle_loss(features: Array, labels: Array, is_change: Array, num_types: int,
