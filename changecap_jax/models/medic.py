@@ -112,8 +112,10 @@ def medic_labels(change_type: Array, dataset_types: Sequence[str], *, no_change:
 
 
 def _normalize(x: Array, axis: int = -1, eps: float = 1e-12) -> Array:
-    """torch F.normalize: x / max(||x||, eps)."""
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), eps)
+    """torch F.normalize: x / max(||x||, eps), with a finite gradient at x = 0 (an empty
+    group's mean, zero expert rows), where ``jnp.linalg.norm``'s gradient is NaN."""
+    sq = jnp.sum(jnp.square(x), axis=axis, keepdims=True)
+    return x / jnp.sqrt(jnp.maximum(sq, eps * eps))
 
 
 class ExpertMemory(nn.Module):
