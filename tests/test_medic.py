@@ -1,7 +1,7 @@
-"""MEDIC as a plug-in of DIRL (changecap_jax/models/medic.py): shapes, finite losses that a few
-gradient steps lower, the change-type label mapping, the one-line refusal of a dataset without
-change types, DIRL unchanged without the plug-in, and a tiny training run through the trunk.
-The comparison with the official code is tests/test_medic_official.py."""
+"""MEDIC as a plug-in of DIRL (changecap_jax/models/medic.py): shapes, finite losses, a router
+loss that a few gradient steps lower, the change-type label mapping, the one-line refusal of a
+dataset without change types, DIRL unchanged without the plug-in, and a tiny training run
+through the trunk. The comparison with the official code is tests/test_medic_official.py."""
 
 from __future__ import annotations
 
@@ -79,23 +79,28 @@ def test_dataset_without_change_types_is_refused_in_one_line():
     _model(with_medic=False).check_dataset(_Meta([]))  # DIRL alone needs none
 
 
-def test_losses_finite_and_lowered_by_training_the_plugin():
-    model, batch = _model(), _batch()
-    params = model.init(jax.random.PRNGKey(0), batch, train=False)["params"]
-    names = list(medic.LOSSES)
+def test_router_change_loss_lowered_by_gradient_steps():
+    """Plain gradient steps on the router's change loss (smooth in the parameters: routing is
+    discrete but ``change_cls`` does not depend on it) lower it on a fixed batch, each step, and
+    the other losses stay finite. The plug-in alone, so the check is cheap and deterministic."""
+    plugin = medic.MEDIC(dim=16, memory_size=6, classifier_hidden=8)
+    r = np.random.default_rng(0)
+    d1, d2 = (jnp.asarray(r.normal(size=(B, H * W, 16)), jnp.float32) for _ in range(2))
+    labels = jnp.asarray([0, 1, 2, 5, 5, -1], jnp.int32)
+    params = plugin.init(jax.random.PRNGKey(0), d1, d2, (H, W), labels, train=True)
 
-    def loss(p):  # the router's CE: smooth in the parameters (routing itself is discrete)
-        aux = model.apply({"params": p}, batch, train=True,
-                          rngs={"dropout": jax.random.PRNGKey(1)}).aux_losses
-        return aux["change_cls"], aux
+    def loss(p):
+        losses = plugin.apply(p, d1, d2, (H, W), labels, train=True).losses
+        return losses["change_cls"], losses
 
     grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (first, aux), _ = grad_fn(params)
-    assert set(names) <= set(aux) and all(np.isfinite(float(aux[n])) for n in names)
-    for _ in range(5):
-        (value, _), grads = grad_fn(params)
-        params = jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads)
-    assert float(value) < float(first)
+    values = []
+    for _ in range(4):
+        (value, losses), grads = grad_fn(params)
+        assert all(np.isfinite(float(v)) for v in losses.values()), losses
+        values.append(float(value))
+        params = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, params, grads)
+    assert all(b < a for a, b in zip(values[:-1], values[1:], strict=True)), values
 
 
 def test_dirl_without_medic_is_unchanged():
