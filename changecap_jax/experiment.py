@@ -62,6 +62,9 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
                                build_if_missing=ds.build_if_missing)
     max_len = config.decode.max_len or dataset.meta.max_caption_len
     model = models.build(config.model, vocab_size=len(dataset.vocab), max_len=max_len)
+    check = contract.dataset_check(model)
+    if check is not None:
+        check(dataset.meta)
     conditioning = conditioning_shapes(model)
     dataset = datasets.attach_conditioning(dataset, conditioning)
     streams = contract.model_streams(model)

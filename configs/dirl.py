@@ -35,6 +35,15 @@ as ``PRESET/NAME`` (table: docs/ablations.md; each switches exactly the fields A
                          (model.off_diagonal_weight = 0).
   dirl_discrimination    Table 7: DIRL without CCR, only the second term of Eq. (4)
                          (model.on_diagonal_weight = 0; alpha stays 0.003).
+MEDIC plug-in (docs/models.md "MEDIC"), appended as ``PRESET/medic``: DIRL + MEDIC as the
+official code ``VisualAIKHU/MEDIC`` trains it (``configs/dynamic/transformer_medic_*.yaml``,
+``run/run_*_final.sh``): the CCR decoder of ``models/CCR_expert.py`` (LNs, xavier) reading
+cat(diff, experts), loss weights dirl 0.03 / ccr 0.05 and MEDIC's cls 0.1 / type 0.1 /
+disentangle / consistency (CLEVR-Change 0.1 / 0.1, batch 64, 30k iterations; CLEVR-DC
+0.1 / 0.01, batch 128, 50k; Spot-the-Diff 0.01 / 0.01, batch 128, 50k; Image Editing Request:
+no run script, the training script's defaults 0.1 / 0.1). MEDIC needs change-type labels:
+Spot-the-Diff and Image Editing Request as built here have none and are refused.
+
 The lambda_d / lambda_c study (Fig. 5) is a sweep of loss_weights.dirl / loss_weights.ccr
 (docs/ablations.md, "Sweeps").
 """
@@ -93,6 +102,37 @@ PAPER_PRESETS = {
 }
 
 
+# dataset -> (disentangle, consistency, batch, iterations) of MEDIC's run scripts (docstring).
+MEDIC_PRESETS = {
+    "synthetic": (0.1, 0.1, None, None), "synthetic_extreme": (0.1, 0.1, None, None),
+    "clevr_change": (0.1, 0.1, 64, 30_000), "clevr_dc": (0.1, 0.01, 128, 50_000),
+    "spot_the_diff": (0.01, 0.01, 128, 50_000), "image_editing_request": (0.1, 0.1, None, None),
+}
+
+
+def add_medic(config: ml_collections.ConfigDict, preset: str) -> None:
+    """Switches the MEDIC plug-in on (``config.model.medic``) with the official settings."""
+    from changecap_jax.data.synthetic.scenes import CHANGE_TYPES  # the CLEVR datasets' types
+
+    if preset not in MEDIC_PRESETS:
+        raise ValueError(f"no MEDIC preset for {preset!r}; choose one of {list(MEDIC_PRESETS)}")
+    disentangle, consistency, batch, steps = MEDIC_PRESETS[preset]
+    config.model.variant = "clevr_dc"  # MEDIC's CCR_expert.py: LNs + xavier, on every dataset
+    config.model.medic = ml_collections.ConfigDict({
+        "dataset_types": list(CHANGE_TYPES), "memory_size": 100, "classifier_hidden": 512,
+        "cls_temperature": 1.0, "type_temperature": 1.0, "margin_inter": 0.2,
+        "margin_intra": 0.7, "lambda_inter": 1.0, "lambda_intra": 1.0})
+    if preset.startswith("synthetic"):
+        config.model.medic.update(memory_size=20, classifier_hidden=64)
+    else:
+        config.loss_weights = {"dirl": 0.03, "ccr": 0.05}
+        config.batch_size = batch or config.batch_size
+        config.num_train_steps = steps or config.num_train_steps
+    config.loss_weights.update({"change_cls": 0.1, "change_type_cls": 0.1,
+                                "expert_disentangle": disentangle,
+                                "expert_consistency": consistency})
+
+
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config = common.trainer_defaults(ml_collections.ConfigDict())
     preset, ablation = common.split_preset(preset, "synthetic")
@@ -121,6 +161,9 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
         raise ValueError(f"unknown preset {preset!r} for configs/dirl.py; choose one of "
                          f"{['synthetic', 'synthetic_extreme', *PAPER_PRESETS]}")
     config.optim.zero_grad_rows = {"decoder/embed/embedding": 0}
+    if ablation == "medic":
+        add_medic(config, preset)
+        return config
     ablation = ablation or "dirl_ccr"
     common.require_choice(ablation, ABLATIONS, "ablation", "configs/dirl.py",
                           shown=list(ABLATIONS))

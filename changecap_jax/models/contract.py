@@ -18,7 +18,10 @@ capabilities (:data:`CAPABILITIES`):
 * ``"post_update"``: ``post_update(params) -> params``, a constraint applied after every
   optimiser update (e.g. SCORER's logit-scale clamp);
 * ``"classify_distractor"``: ``classify_distractor(before, after) -> logits (B, 2)``, a
-  distractor classifier whose held-out accuracy evaluation reports (1 = semantic change).
+  distractor classifier whose held-out accuracy evaluation reports (1 = semantic change);
+* ``"check_dataset"``: ``check_dataset(meta) -> None``, called with the dataset's
+  ``DatasetMeta`` when the experiment is built; raises a one-line ``UserError`` when the dataset
+  lacks what the model needs (e.g. MEDIC's change-type labels).
 
 :class:`TrunkModel` gives a model the defaults of the declared attributes (the trunk
 vocabulary's token conventions, no extra tokens, no conditioning, streams from the ``pairs``
@@ -40,7 +43,8 @@ Array = jax.Array
 
 POST_UPDATE = "post_update"
 CLASSIFY_DISTRACTOR = "classify_distractor"
-CAPABILITIES = (POST_UPDATE, CLASSIFY_DISTRACTOR)
+CHECK_DATASET = "check_dataset"
+CAPABILITIES = (POST_UPDATE, CLASSIFY_DISTRACTOR, CHECK_DATASET)
 
 
 @runtime_checkable
@@ -115,6 +119,12 @@ def distractor_classifier(model: Any) -> Callable[..., Array] | None:
     """The model's declared ``classify_distractor`` method (for ``model.apply(...,
     method=...)``), or None."""
     return model.classify_distractor if has_capability(model, CLASSIFY_DISTRACTOR) else None
+
+
+def dataset_check(model: Any) -> Callable[[Any], None] | None:
+    """The model's declared ``check_dataset(meta)`` (raises a one-line UserError when the
+    dataset lacks what the model needs, e.g. change-type labels), or None."""
+    return model.check_dataset if has_capability(model, CHECK_DATASET) else None
 
 
 def model_streams(model: Any) -> tuple[str, ...]:

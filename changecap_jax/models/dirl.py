@@ -47,6 +47,12 @@ The two decoder variants (§4 table, field ``variant``):
     xavier_uniform on every >= 2-D decoder parameter (the pad row is overwritten).
 The encoder is the same in both (xavier_uniform on >= 2-D params, §4.4).
 
+Plug-in: ``medic`` (``config.model.medic``, docs/adding_a_model.md "Plug-ins") switches on
+MEDIC (:mod:`changecap_jax.models.medic`) on the difference features: its expert features are
+concatenated to them, so ``embed_fc`` reads cat(diff_bef, diff_aft, expert_bef, expert_aft)
+(4 x hidden, as MEDIC's ``models/CCR_expert.py``), and its losses join ``aux_losses``. Without
+``medic`` the model is exactly the one above.
+
 Official checkpoints (tuyunbin/DIRL) convert with ``changecap_jax/convert/models/dirl.py``.
 
 The 1x1 projection's kernel row c is input channel c; with coordinates, rows C and C + 1 are the
@@ -59,7 +65,7 @@ Decoding protocol (used by :mod:`changecap_jax.inference.decoding`): ``encode``,
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -67,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from changecap_jax.data import streams
-from changecap_jax.models import contract, losses
+from changecap_jax.models import contract, losses, medic
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import (
     DelegatedDecoding,
@@ -366,6 +372,14 @@ class CCRDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+def _change_type(batch: dict[str, Array]) -> Array:
+    """The batch's ``change_type``; -1 (a change of unknown type) in the example batches of
+    ``model.init``, which carry only the stream fields."""
+    if "change_type" in batch:
+        return batch["change_type"]
+    return jnp.full(batch["before"].shape[:1], -1, jnp.int32)
+
+
 class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     """DIRL encoder + CCR decoder; every hyperparameter is a field (defaults = the paper).
 
@@ -376,7 +390,7 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CHECK_DATASET})
 
     vocab_size: int
     max_len: int
@@ -397,9 +411,12 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     use_dirl: bool = True
     use_ccr: bool = True
     on_diagonal_weight: float = 1.0
+    # Plug-in (module docstring): MEDIC's fields and ``dataset_types``, or None (off).
+    medic: Any = None
 
     def setup(self) -> None:
         streams.check_pairs(self.pairs)
+        self.plugin = medic.from_config(self.medic, self.hidden_dim)
         self.encoder = DIRLEncoder(
             hidden_dim=self.hidden_dim,
             num_heads=self.num_heads,
@@ -433,9 +450,12 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         # image once per example").
         before = self.encoder.embed_image(self._features(batch["before"]), train=train,
                                           with_mlp=self.use_dirl)
-        logits, targets, dirl, ccr = {}, {}, [], []
+        logits, targets, dirl, ccr, plugin = {}, {}, [], [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
             enc = self.encoder(before, self._features(after), train=train)
+            labels = None if self.plugin is None else medic.medic_labels(
+                _change_type(batch), self.medic["dataset_types"],
+                no_change=stream == "distractor", type_names=self.plugin.type_names)
             if self.use_dirl:
                 dirl.append(
                     losses.barlow_correlation_loss(
@@ -446,7 +466,8 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
                         axis_name=axis_name,
                     )
                 )
-            memory = self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
+            memory, plugin_losses = self._memory(enc, after.shape[1:3], labels, train=train)
+            plugin.append(plugin_losses)
             logits[stream], t, v = self.decoder(memory, ids, train=train)
             targets[stream] = streams.make_caption_targets(ids)
             if self.use_ccr:
@@ -454,7 +475,26 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         # Equal-weight mean of the pairs: 0.5/0.5 on CLEVR-Change, the single pair on DC (§4.3).
         aux = {name: sum(terms) / len(terms) for name, terms in (("dirl", dirl), ("ccr", ccr))
                if terms}
+        for name in plugin[0]:  # MEDIC's losses, the same mean of the pairs
+            aux[name] = sum(p[name] for p in plugin) / len(plugin)
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
+
+    def _memory(self, enc: EncoderOutput, grid_hw: tuple[int, int], labels: Array | None, *,
+                train: bool) -> tuple[Array, dict[str, Array]]:
+        """The decoder memory; with the plug-in, from the difference features and MEDIC's
+        expert features (cat(diff_bef, diff_aft) ++ experts), and MEDIC's losses."""
+        if self.plugin is None:
+            return self.decoder.memory(enc.diff_before, enc.diff_after,
+                                       deterministic=not train), {}
+        out = self.plugin(enc.diff_before, enc.diff_after, tuple(grid_hw), labels, train=train)
+        paired = jnp.concatenate([enc.diff_before, enc.diff_after], axis=-1)
+        return self.decoder.memory(paired, out.features, deterministic=not train), out.losses
+
+    def check_dataset(self, meta: Any) -> None:
+        """Capability ``check_dataset``: MEDIC refuses a dataset without its change types."""
+        if medic.enabled(self.medic):
+            medic.check_change_types(meta.change_types, self.medic["dataset_types"],
+                                     self.medic.get("type_names", medic.TYPE_NAMES))
 
     # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
@@ -462,4 +502,4 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
         embedded = self.encoder.embed_image(self._features(before), train=train, with_mlp=False)
         enc = self.encoder(embedded, self._features(after), train=train)
-        return self.decoder.memory(enc.diff_before, enc.diff_after, deterministic=not train)
+        return self._memory(enc, after.shape[1:3], None, train=train)[0]
