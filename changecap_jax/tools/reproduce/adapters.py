@@ -180,6 +180,10 @@ class Adapter:
     # Converter sources held in the official snapshot; the others are extra states.
     snapshot_sources: tuple[str, ...] = (ENCODER, DECODER)
     pretraining = False  # True: run_steps / task_summary are the adapter's (idc_pretrain.py)
+    # The official loop's ``zero_grad()`` as the authors' torch ran it: False = torch >= 2.0's
+    # default (gradients set to None, so Adam skips a parameter the step does not reach);
+    # True = torch 1.x's (gradients zeroed in place, so Adam updates every parameter).
+    zero_grads_in_place = False
 
     def script(self, model: ml_collections.ConfigDict) -> str:
         """The official training script of this config (for messages)."""

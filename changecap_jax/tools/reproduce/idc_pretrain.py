@@ -94,6 +94,14 @@ class IdcPclPretrainAdapter(idc_pcl.IdcPclAdapter):
     """yaolinli/IDC ``clver/pretrain.py`` (one task per step, noam lr, mean losses)."""
 
     pretraining = True
+    # The authors ran torch 1.9 (the IDC README), whose ``model.zero_grad()`` zeroes the
+    # gradients in place: a head that the step's task does not reach (MLM's output_layer in
+    # an MVCL step) still takes an Adam step on its moments, as optax's Adam does. torch >= 2.0
+    # sets them to None and skips it. build_side also gives every parameter a zero gradient
+    # before step 1, so each Adam step count starts at step 1 as optax's single count does
+    # (under torch 1.9 a head's count starts at the first step of its task: the one
+    # difference left, docs/reproduce.md).
+    zero_grads_in_place = True
 
     def script(self, model: ml_collections.ConfigDict) -> str:
         return "clver/pretrain.py"
@@ -153,8 +161,10 @@ class IdcPclPretrainAdapter(idc_pcl.IdcPclAdapter):
                 module.position_encoding.type_pe.weight.mul_(m.type_embedding_std)
         disable_dropout([module])
         model = OfficialModel({"model": module}, None, lib, {}, ("model",))
-        optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
-                                     lr=args.lr, weight_decay=args.weight_decay)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(trained, lr=args.lr, weight_decay=args.weight_decay)
+        for p in trained:  # see zero_grads_in_place
+            p.grad = torch.zeros_like(p)
         return OfficialSide(self, model, args, optimizer, None, steps_per_epoch,
                             lr_at=lambda step: lib["utils"].get_lr_sched(step, args))
 

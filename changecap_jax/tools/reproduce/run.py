@@ -184,7 +184,7 @@ def build_official(adapter: Adapter, config: ml_collections.ConfigDict, options:
 def official_step(side: OfficialSide, batch: TorchBatch) -> dict[str, float]:
     """One iteration of the official loop body; returns its losses, norm and lr."""
     optimizer = side.optimizer
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=not side.adapter.zero_grads_in_place)
     losses = side.adapter.losses(side.model, batch)
     losses["total"].backward()
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
