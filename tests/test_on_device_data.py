@@ -111,3 +111,16 @@ def test_a_split_too_big_for_the_devices_is_refused_in_one_line(data_dir, tmp_pa
     per_record = on_device_data.record_bytes(trainer.dataset.split("train")[0])
     assert f"needs {6 * per_record:,} bytes per device" in message
     assert "1,000 available" in message
+
+
+def test_aot_adds_the_split_bytes_per_chip_when_on_device(data_dir):
+    from changecap_jax.tools import aot_programs
+    from changecap_jax.tools import synthetic_inputs as si
+
+    config = _config(data_dir, "on_device")
+    shapes = si.InputShapes((4, 4, 16), 76, 16)
+    per_record = 3 * 4 * 4 * 16 * 2 + 2 * 6 * 16 * 4 + 8  # float16 grids, 6 captions a stream
+    config.dataset.options.captions_per_pair = 6
+    assert aot_programs.resident_dataset_bytes(config, shapes, 8, "float16") == 6 * per_record
+    config.dataset.on_device = False
+    assert aot_programs.resident_dataset_bytes(config, shapes, 8, "float16") == 0
