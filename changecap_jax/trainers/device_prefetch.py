@@ -110,4 +110,7 @@ class DevicePrefetch(Iterator[Any]):
         self._source.set_state(json.dumps(state).encode())
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (at interpreter exit the source may be gone)
+            pass
