@@ -250,7 +250,12 @@ def make_resident_step(train_step: Any, split: ResidentSplit) -> Any:
     def step(state: Any, arrays: dict, choices: dict) -> Any:
         return train_step(state, gather_batch(arrays, choices, split.mesh, split.pair_fields))
 
-    return jax.jit(step, donate_argnums=0)
+    # Shardings pinned as the streaming step's: an inferred output sharding can differ from
+    # the first state's and compile the step again at step 2, which on several hosts some
+    # reach long after others (gloo gives up on a collective after 30 s).
+    repl, data = parallel.replicated(split.mesh), parallel.batch_sharding(split.mesh)
+    return jax.jit(step, donate_argnums=0, in_shardings=(repl, data, repl),
+                   out_shardings=(repl, repl))
 
 
 class ResidentIterator(Iterator[dict[str, np.ndarray]]):
