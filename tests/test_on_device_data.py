@@ -57,8 +57,6 @@ def test_resident_batches_equal_the_loaders(data_dir, tmp_path):
 
 def _losses(trainer) -> list[float]:
     trainer.train()
-    if trainer.on_device:  # one compile: no step compiles again (several hosts would stall)
-        assert trainer.resident_step._cache_size() == 1
     return [scalars["loss"] for _, scalars in trainer.history]
 
 

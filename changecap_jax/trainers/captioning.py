@@ -169,6 +169,15 @@ class Trainer:
     def resident_step(self) -> Any:
         return on_device_data.make_resident_step(self.train_step, self.resident)
 
+    def _resident_update(self, state: TrainState, choices: dict) -> tuple[TrainState, dict]:
+        args = (state, self.resident.arrays, choices)
+        if "_compiled_resident" not in self.__dict__:
+            # Every host compiles before any enters the step's first collective (the
+            # gather's reduce-scatter), which gloo abandons when a host is 30 s late.
+            self._compiled_resident = self.resident_step.lower(*args).compile()
+            parallel.barrier("changecap_jax.on_device_step_compiled")
+        return self._compiled_resident(*args)
+
     def data_streams(self) -> dict[str, Any]:
         loader = self.train_loader()
         if self.on_device:  # the step gathers its batch from the resident split
@@ -188,8 +197,7 @@ class Trainer:
                  streams: dict[str, Any]) -> tuple[TrainState, dict, str]:
         item = next(streams["data"])
         if self.on_device:
-            state, metrics = self.resident_step(state, self.resident.arrays,
-                                                self.resident.to_global(item))
+            state, metrics = self._resident_update(state, self.resident.to_global(item))
         else:
             batch = item if self.prefetch_depth else pipeline.to_global(item, self.data_sharding)
             state, metrics = self.train_step(state, batch)
