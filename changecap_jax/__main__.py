@@ -28,6 +28,8 @@ COMMANDS = {
                            "peak memory of SCORER's matching loss, naive vs chunked"),
     "loader_benchmark": ("changecap_jax.tools.loader_benchmark",
                          "examples/s of the training loader alone"),
+    "feed_bench": ("changecap_jax.tools.feed_bench",
+                   "steps/s of a preset: streamed, device-prefetched, dataset on the devices"),
     "reproduce": ("changecap_jax.tools.reproduce.__main__",
                   "train side by side with an official checkout"),
     "sweep": ("changecap_jax.tools.sweep", "one training per value of a config field"),

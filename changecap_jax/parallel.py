@@ -61,6 +61,16 @@ def _open_cpu_collectives() -> None:
     assert int(total) == jax.device_count()
 
 
+def barrier(name: str, timeout_s: int = 3600) -> None:
+    """Waits until every process gets here, through the coordination service (not a device
+    collective: gloo's give up when a peer is 30 s late, e.g. still compiling on a busy host)."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize started
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+
+
 def make_mesh(num_devices: int | None = None) -> Mesh:
     """A 1-D ``data`` mesh over all devices (or the first ``num_devices``)."""
     devices = jax.devices()

@@ -14,6 +14,8 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
         "data_dir": "",  # '' = $CHANGECAP_DATA_DIR or the user cache folder
         "variant": variant,  # distractors: moderate | weak | extreme (none: diagnostic)
         "build_if_missing": True,
+        # Hold the training split on the devices, batches gathered in the step (same losses).
+        "on_device": False,
         "options": {
             "seed": 0,
             "num_train": 3000,
@@ -33,7 +35,9 @@ def synthetic_dataset(variant: str = "moderate") -> ml_collections.ConfigDict:
 def prebuilt_dataset(name: str) -> ml_collections.ConfigDict:
     """A real dataset, built beforehand with ``python -m data_prep.build NAME``."""
     return ml_collections.ConfigDict({
-        "name": name, "data_dir": "", "variant": "", "build_if_missing": False, "options": {}})
+        "name": name, "data_dir": "", "variant": "", "build_if_missing": False,
+        # Hold the training split on the devices, batches gathered in the step (same losses).
+        "on_device": False, "options": {}})
 
 
 def cpu_training(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -61,9 +65,10 @@ def input_pipeline() -> ml_collections.ConfigDict:
     queue (host memory ~ 2 * prefetch + threads local batches per worker). An accelerator
     host wants more: one core reads ~190 paper-sized (3 x 14x14x1024) float32 examples/s,
     ~330 float16; e.g. 16 cores: workers=6, threads=2 (docs/input_pipeline.md).
+    device_prefetch: training batches moved to the devices ahead of the step (0: none).
     """
     return ml_collections.ConfigDict({
-        "workers": 0, "eval_workers": 0, "threads": 2, "prefetch": 2})
+        "workers": 0, "eval_workers": 0, "threads": 2, "prefetch": 2, "device_prefetch": 2})
 
 
 def trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

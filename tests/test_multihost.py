@@ -140,6 +140,29 @@ def _close_to(losses: dict[int, float], reference: dict[int, float]) -> None:
         assert loss == pytest.approx(reference[step], rel=1e-6), step
 
 
+ON_DEVICE = """
+
+_streamed = get_config
+
+
+def get_config():
+    config = _streamed()
+    config.dataset.on_device = True
+    return config
+"""
+
+
+def test_on_device_dataset_on_four_hosts_gives_the_loaders_losses(setup, tmp_path):
+    # Each host holds its two devices' shares of the split; the batches gathered in the step
+    # are the loader's global batches, so the losses are the 1-process loader run's.
+    root, data_dir, reference = setup
+    config_file = _config_file(tmp_path, data_dir)
+    config_file.write_text(config_file.read_text() + ON_DEVICE)
+    job = Job(config_file, str(tmp_path / "run"), tmp_path / "logs", processes=4, devices=2)
+    assert job.wait() == [0, 0, 0, 0], job.log(0)[-3000:]
+    _close_to(_losses(tmp_path / "run"), reference)
+
+
 def _shards(checkpoint: paths.AnyPath) -> set[str]:
     return {p.name for p in (checkpoint / "state").glob("ocdbt.process_*")}
 

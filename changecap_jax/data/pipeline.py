@@ -78,7 +78,8 @@ class ReadAhead:
                 raise ValueError(f"config.data.{key} must be an integer >= 0, got {value!r}")
 
 
-DATA_KEYS = ("workers", "eval_workers", "threads", "prefetch")
+# device_prefetch: read by the trainer (trainers/device_prefetch.py), not by the loaders.
+DATA_KEYS = ("workers", "eval_workers", "threads", "prefetch", "device_prefetch")
 
 
 def read_ahead(data: Mapping[str, Any] | None, *, training: bool) -> ReadAhead:
@@ -126,27 +127,40 @@ class TrainPairs(grain.transforms.RandomMap):
         # the distractor pair takes ``<f>_distractor_swapped`` when its images are swapped.
         self.pair_fields = tuple(pair_fields)
 
-    def random_map(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    def draws(self, num_captions: int, num_no_change: int | None,
+              rng: np.random.Generator) -> tuple[int, bool, int]:
+        """(semantic caption, swapped, no-change caption) of one record; ``num_no_change``
+        None: the record has no distractor (no swap, no second caption drawn). The on-device
+        dataset (data/on_device.py) draws with this too, so both paths pick the same."""
         # The rng draws stay in this order (semantic caption, swap, distractor caption): a
         # seed gives the batches it always gave.
+        caption = int(rng.integers(num_captions))
+        if num_no_change is None:
+            return caption, False, 0
+        swapped = bool(rng.random() < self.swap_prob)
+        return caption, swapped, int(rng.integers(num_no_change))
+
+    def random_map(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
         semantic, distractor = STREAMS["semantic"], STREAMS["distractor"]
         captions = record[semantic.record_captions]
+        has_distractor = distractor.after in record
+        no_change = record[distractor.record_captions] if has_distractor else None
+        caption, swapped, no_change_caption = self.draws(
+            len(captions), len(no_change) if no_change is not None else None, rng)
         out = {
             "id": np.int32(record["id"]),
             "change_type": np.int32(record["change_type"]),
             BEFORE: record[BEFORE],
             semantic.after: record[semantic.after],
-            semantic.caption: captions[rng.integers(len(captions))],
+            semantic.caption: captions[caption],
         }
         out.update({f"{f}_semantic": record[f"{f}_semantic"] for f in self.pair_fields})
-        if distractor.after in record:
+        if no_change is not None:
             before, after = record[BEFORE], record[distractor.after]
-            swapped = rng.random() < self.swap_prob
             if swapped:
                 before, after = after, before
-            no_change = record[distractor.record_captions]
             out.update({BEFORE: before, distractor.after: after,
-                        distractor.caption: no_change[rng.integers(len(no_change))]})
+                        distractor.caption: no_change[no_change_caption]})
             orientation = "distractor_swapped" if swapped else "distractor"
             out.update({f"{f}_distractor": record[f"{f}_{orientation}"]
                         for f in self.pair_fields})

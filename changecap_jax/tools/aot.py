@@ -123,7 +123,8 @@ def resolve_topology(name: str, host_network_gbps: float | None = None) -> tpu_s
 
 
 def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
-        shapes: Any = None, host_network_gbps: float | None = None) -> dict[str, Any]:
+        shapes: Any = None, host_network_gbps: float | None = None,
+        train_records: int | None = None) -> dict[str, Any]:
     """Compiles and analyses ``config``'s programs for the slice ``topology_name``; returns
     the results (``--json``'s content)."""
     topology = resolve_topology(topology_name, host_network_gbps)
@@ -144,7 +145,8 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
     mesh = aot_programs.topology_mesh(topology)
     shapes = shapes or si.input_shapes(config)
     built = aot_programs.build_programs(config, mesh, shapes,
-                                        include_decode="decode" in programs)
+                                        include_decode="decode" in programs,
+                                        train_records=train_records)
     if "pretrain" not in config and "train_step" not in programs:
         built = [p for p in built if p.name != "train_step"]
     devices = mesh.devices.flatten()
@@ -225,7 +227,8 @@ def report_lines(results: dict[str, Any]) -> list[str]:
             f", temporaries {_gib(m['temporaries'])}, outputs {_gib(m['outputs'])} "
             f"({_gib(m['aliased'])} in the donated arguments' buffers), code "
             f"{_gib(m['generated_code'])}"
-            + (f", resident train state {_gib(p['resident_bytes'])}" if p["resident_bytes"]
+            + (f", resident {p.get('resident_what', 'train state')} "
+               f"{_gib(p['resident_bytes'])}" if p["resident_bytes"]
                else ""),
             f"  cost per chip: {p['flops'] / 1e9:.1f} GFLOP (XLA {(p['xla_flops'] or 0) / 1e9:.1f}"
             f", traced matmuls with loops {p['dot_flops'] / 1e9:.1f}), "
@@ -296,6 +299,10 @@ def define_flags() -> None:
                       "config compiles its tasks' updates).")
     flags.DEFINE_integer("vocab_size", None, "Vocabulary size (datasets without recorded sizes).")
     flags.DEFINE_integer("caption_len", None, "Padded caption length (likewise).")
+    flags.DEFINE_integer("train_records", None,
+                         "Training records, for config.dataset.on_device (which adds the "
+                         "split's bytes per chip to the train step; default: the synthetic "
+                         "dataset's num_train).")
     flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
     flags.DEFINE_float("host_network_gbps", None,
                        "GPUs on several hosts: each host's network bandwidth, one direction, "
@@ -321,7 +328,7 @@ def main(argv: list[str]) -> None:
         shapes = si.input_shapes(config, vocab_size=FLAGS.vocab_size,
                                  caption_len=FLAGS.caption_len)
     results = run(config, FLAGS.topology, tuple(FLAGS.programs), shapes,
-                  FLAGS.host_network_gbps)
+                  FLAGS.host_network_gbps, FLAGS.train_records)
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()))
     print("\n".join(report_lines(results)), flush=True)

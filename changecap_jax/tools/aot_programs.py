@@ -57,6 +57,7 @@ class Program:
     unit: str  # what ``batch`` counts: examples (image pairs x caption streams), samples
     batch_bytes: int  # per chip: the batch arguments' bytes
     resident_bytes: int = 0  # per chip: what stays in HBM beside it (the state at evaluation)
+    resident_what: str = "train state"  # what those bytes are, for the report
     what: str = ""  # one line on what it is
     # Whether its traced matmuls have per-chip shapes: a train step's all run inside shard_map;
     # decoding is a plain jit over the sharded batch, traced with global shapes.
@@ -108,8 +109,34 @@ def _tree_size(specs: Any) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(specs))
 
 
+# config.dataset.on_device: caption ids held per record and stream where the dataset does not
+# say (a few KB beside the 3 feature grids' ~1 MB at the paper shape: an estimate suffices).
+CAPTIONS_PER_RECORD = 10
+
+
+def resident_dataset_bytes(config: ml_collections.ConfigDict, shapes: si.InputShapes,
+                           chips: int, feature_dtype: Any,
+                           train_records: int | None = None) -> int:
+    """Per chip: the training split held on the devices with ``config.dataset.on_device``
+    (``trainers/on_device_data.py``): ceil(records / chips) x (3 feature grids + 2 x K caption
+    ids + id and change type); 0 without it. Records: ``train_records``, else the synthetic
+    dataset's ``num_train``."""
+    if not config.dataset.get("on_device", False):
+        return 0
+    options = config.dataset.get("options") or {}
+    records = train_records or options.get("num_train")
+    if not records:
+        raise UserError(f"config.dataset.on_device: the number of training records of "
+                        f"{config.dataset.name!r} is not known here; give --train_records")
+    captions = options.get("captions_per_pair", CAPTIONS_PER_RECORD)
+    per_record = (3 * math.prod(shapes.feature_shape) * np.dtype(feature_dtype).itemsize
+                  + 2 * captions * shapes.caption_len * 4 + 8)
+    return math.ceil(records / chips) * per_record
+
+
 def build_programs(config: ml_collections.ConfigDict, mesh: Mesh, shapes: si.InputShapes,
-                   include_decode: bool = True) -> list[Program]:
+                   include_decode: bool = True,
+                   train_records: int | None = None) -> list[Program]:
     """The programs of a training run of ``config`` on ``mesh`` (module docstring)."""
     if "pretrain" in config:
         return _pretraining_programs(config, mesh, shapes)
@@ -135,6 +162,9 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh, shapes: si.Inp
     batch = _batch_specs(example, config.batch_size, feature_dtype, data)
     programs = [Program("train_step", step, (state, batch), config.batch_size, "examples",
                         _per_chip_bytes(batch, chips),
+                        resident_bytes=resident_dataset_bytes(config, shapes, chips,
+                                                              feature_dtype, train_records),
+                        resident_what="training split (config.dataset.on_device)",
                         what="the update: forward, backward and optimiser, one global batch",
                         param_count=_tree_size(state.params),
                         gradient_bytes=_tree_bytes(state.params))]
@@ -394,7 +424,8 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
         "program": program.name, "what": program.what, "batch": program.batch,
         "unit": program.unit, "per_chip_batch": per_chip_batch,
         "memory": mem, "batch_bytes": program.batch_bytes,
-        "resident_bytes": program.resident_bytes, "hbm_used": used,
+        "resident_bytes": program.resident_bytes, "resident_what": program.resident_what,
+        "hbm_used": used,
         "hbm_available": room, "hbm_fraction": used / room,
         "fits": used <= room, "over_bytes": max(0, used - room),
         "xla_flops": measured["flops"], "dot_flops": dot_flops, "flops": flops,

@@ -33,8 +33,9 @@ from changecap_jax.inference import decoding, export
 from changecap_jax.io import checkpoints, paths
 from changecap_jax.io.metric_writer import MetricWriter
 from changecap_jax.models import contract, precision
-from changecap_jax.trainers import loop
+from changecap_jax.trainers import loop, on_device_data
 from changecap_jax.trainers.caption_step import init_train_state, make_train_step
+from changecap_jax.trainers.device_prefetch import DevicePrefetch
 from changecap_jax.trainers.optimizers import make_optimizer
 from changecap_jax.trainers.update import TrainState
 
@@ -149,8 +150,44 @@ class Trainer:
 
     bar_label = "train"
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the training split lives on the devices (``config.dataset.on_device``)."""
+        return bool(self.config.dataset.get("on_device", False))
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Streamed batches moved to the devices ahead of the step (``config.data``)."""
+        return int((self.config.get("data") or {}).get("device_prefetch", 0))
+
+    @functools.cached_property
+    def resident(self) -> on_device_data.ResidentSplit:
+        """The training split on the devices, put there on first use."""
+        return on_device_data.ResidentSplit(self.dataset.split("train"), self.mesh,
+                                            self.dataset.pair_fields)
+
+    @functools.cached_property
+    def resident_step(self) -> Any:
+        return on_device_data.make_resident_step(self.train_step, self.resident)
+
+    def _resident_update(self, state: TrainState, choices: dict) -> tuple[TrainState, dict]:
+        args = (state, self.resident.arrays, choices)
+        if "_compiled_resident" not in self.__dict__:
+            # Every host compiles before any enters the step's first collective (the
+            # gather's reduce-scatter), which gloo abandons when a host is 30 s late.
+            self._compiled_resident = self.resident_step.lower(*args).compile()
+            parallel.barrier("changecap_jax.on_device_step_compiled")
+        return self._compiled_resident(*args)
+
     def data_streams(self) -> dict[str, Any]:
-        return {"data": iter(self.train_loader())}
+        loader = self.train_loader()
+        if self.on_device:  # the step gathers its batch from the resident split
+            return {"data": on_device_data.ResidentIterator(loader, self.resident)}
+        stream = iter(loader)
+        if self.prefetch_depth:
+            stream = DevicePrefetch(
+                stream, lambda b: pipeline.to_global(b, self.data_sharding), self.prefetch_depth)
+        return {"data": stream}
 
     def describe(self, state: TrainState, start: int) -> None:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
@@ -159,8 +196,12 @@ class Trainer:
 
     def run_step(self, state: TrainState, step: int,
                  streams: dict[str, Any]) -> tuple[TrainState, dict, str]:
-        batch = pipeline.to_global(next(streams["data"]), self.data_sharding)
-        state, metrics = self.train_step(state, batch)
+        item = next(streams["data"])
+        if self.on_device:
+            state, metrics = self._resident_update(state, self.resident.to_global(item))
+        else:
+            batch = item if self.prefetch_depth else pipeline.to_global(item, self.data_sharding)
+            state, metrics = self.train_step(state, batch)
         return state, metrics, ""
 
     def examples_per_step(self, key: str) -> int:

@@ -277,6 +277,7 @@ def run(task: Task) -> dict[str, Any]:
     writer = MetricWriter(task.workdir / "tensorboard", enabled=task.is_main,
                           scalars_file=task.workdir / SCALARS_FILE)
     manager = None
+    streams: dict[str, Any] = {}
     notice = PreemptionNotice()
     # Closed however the start ends too (a restore that fails, a user error): on Python 3.12
     # tensorboardX's exit hook cannot close a writer left open, and prints a traceback.
@@ -292,6 +293,9 @@ def run(task: Task) -> dict[str, Any]:
         return _train(task, manager, writer, streams, state, stopper, notice)
     finally:
         notice.close()
+        for stream in streams.values():  # reading threads (device prefetch, grain) end here
+            if hasattr(stream, "close"):
+                stream.close()
         if manager is not None:
             manager.close()  # waits for a save in flight: a run ends with its saves on disk
         writer.close()

@@ -99,6 +99,7 @@ import orbax.checkpoint as ocp
 from changecap_jax import parallel
 from changecap_jax.data import auto_prep, extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
+from changecap_jax.errors import UserError
 from changecap_jax.io import checkpoints
 from changecap_jax.io.metric_writer import MetricWriter
 from changecap_jax.models import contract
@@ -509,6 +510,9 @@ class PretrainTrainer(captioning.Trainer):
 
     def data_streams(self) -> dict[str, Any]:
         """Each task's stream and the extra source's, by checkpoint item name."""
+        if self.on_device:  # its samples are not the captioning loader's batches
+            raise UserError("config.dataset.on_device is for captioning training; "
+                            "pretraining streams its samples: set it to False")
         return {f"data_{name}": it for name, it in self.iterators().items()}
 
     def describe(self, state: update.TrainState, start: int) -> None:
