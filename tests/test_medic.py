@@ -1,6 +1,6 @@
 """MEDIC as a plug-in of DIRL (changecap_jax/models/medic.py): shapes, finite losses, a router
 loss that a few gradient steps lower, the change-type label mapping, the one-line refusal of a
-dataset without change types, DIRL unchanged without the plug-in, and a tiny training run
+dataset without change types, DIRL unchanged without the plug-in, and 8 devices equal to 1
 through the trunk. The comparison with the official code is tests/test_medic_official.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_helpers import tiny_run
+from train_helpers import assert_eight_devices_equal_one, tiny_run
 
 from changecap_jax import models
 from changecap_jax.data.synthetic import scenes
@@ -128,16 +128,14 @@ def test_presets_carry_the_official_weights():
     dirl_config.get_config("image_editing_request/medic")
 
 
-def test_tiny_training_run_through_the_trunk(tmp_path):
-    from changecap_jax.trainers import captioning
-
+def test_eight_devices_equal_one_through_the_trunk(tmp_path):
+    """A train step of DIRL+MEDIC through the trunk on 1 and on 8 devices: MEDIC's losses are
+    means over the GLOBAL batch (its sums and counts psum-ed over the data axis), so every
+    loss, gradient and updated parameter agrees; each of its losses is logged, finite."""
     config = dirl_config.get_config("synthetic/medic")
     config.model.update(TINY)
     config.model.medic.update(memory_size=6, classifier_hidden=8)
     config = tiny_run(config, str(tmp_path / "data"), num_train_steps=2)
-    trainer = captioning.Trainer(config, tmp_path / "work")
-    trainer.train()
-    logged = trainer.history[-1][1]
-    for name in medic.LOSSES:  # each of MEDIC's losses is logged, finite
-        values = [v for k, v in logged.items() if name in k.split("/")]
-        assert values and all(np.isfinite(v) for v in values), (name, sorted(logged))
+    metrics = assert_eight_devices_equal_one(config, tmp_path)
+    for name in medic.LOSSES:
+        assert np.isfinite(metrics[f"loss/{name}"]), (name, sorted(metrics))

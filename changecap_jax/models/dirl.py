@@ -466,7 +466,8 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
                         axis_name=axis_name,
                     )
                 )
-            memory, plugin_losses = self._memory(enc, after.shape[1:3], labels, train=train)
+            memory, plugin_losses = self._memory(enc, after.shape[1:3], labels, train=train,
+                                                 axis_name=axis_name)
             plugin.append(plugin_losses)
             logits[stream], t, v = self.decoder(memory, ids, train=train)
             targets[stream] = streams.make_caption_targets(ids)
@@ -480,13 +481,14 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
 
     def _memory(self, enc: EncoderOutput, grid_hw: tuple[int, int], labels: Array | None, *,
-                train: bool) -> tuple[Array, dict[str, Array]]:
+                train: bool, axis_name: str | None = None) -> tuple[Array, dict[str, Array]]:
         """The decoder memory; with the plug-in, from the difference features and MEDIC's
         expert features (cat(diff_bef, diff_aft) ++ experts), and MEDIC's losses."""
         if self.plugin is None:
             return self.decoder.memory(enc.diff_before, enc.diff_after,
                                        deterministic=not train), {}
-        out = self.plugin(enc.diff_before, enc.diff_after, tuple(grid_hw), labels, train=train)
+        out = self.plugin(enc.diff_before, enc.diff_after, tuple(grid_hw), labels, train=train,
+                          axis_name=axis_name)
         paired = jnp.concatenate([enc.diff_before, enc.diff_after], axis=-1)
         return self.decoder.memory(paired, out.features, deterministic=not train), out.losses
 

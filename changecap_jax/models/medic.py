@@ -150,23 +150,32 @@ class Classifier(nn.Module):
 # ---- losses (official compute_*_loss) ---------------------------------------------------------
 
 
-def _cross_entropy(logits: Array, labels: Array, weight: Array) -> Array:
+def _global_sum(x: Array, axis_name: str | None) -> Array:
+    """A batch sum over every device's share (inside ``shard_map``): the losses below are
+    means over the GLOBAL batch, so 8 devices compute what one does."""
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _cross_entropy(logits: Array, labels: Array, weight: Array,
+                   axis_name: str | None = None) -> Array:
     """Mean CE over the rows with weight 1 (0 when there are none)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     safe = jnp.clip(labels, 0, logits.shape[-1] - 1)  # rows outside the loss: any valid index
     nll = -jnp.take_along_axis(logp, safe[:, None], axis=-1)[:, 0]
-    n = jnp.sum(weight)
-    return jnp.where(n > 0, jnp.sum(jnp.where(weight > 0, nll, 0.0) * weight)
-                     / jnp.maximum(n, 1.0), 0.0)
+    n = _global_sum(jnp.sum(weight), axis_name)
+    total = _global_sum(jnp.sum(jnp.where(weight > 0, nll, 0.0) * weight), axis_name)
+    return jnp.where(n > 0, total / jnp.maximum(n, 1.0), 0.0)
 
 
 def disentangle_loss(features: Array, labels: Array, is_change: Array, num_types: int,
-                     margins: tuple[float, float], lambdas: tuple[float, float]) -> Array:
+                     margins: tuple[float, float], lambdas: tuple[float, float],
+                     axis_name: str | None = None) -> Array:
     """Official compute_cosine_margin_disentangle_loss: group directions of the expert output."""
     groups = [(labels == k) & is_change for k in range(num_types)] + [~is_change]
     masks = jnp.stack(groups).astype(features.dtype)  # (K+1, B)
-    counts = masks.sum(-1) * features.shape[1]
-    means = jnp.einsum("gb,bnd->gd", masks, features) / jnp.maximum(counts, 1.0)[:, None]
+    counts = _global_sum(masks.sum(-1) * features.shape[1], axis_name)
+    sums = _global_sum(jnp.einsum("gb,bnd->gd", masks, features), axis_name)
+    means = sums / jnp.maximum(counts, 1.0)[:, None]
     z, present = _normalize(means), counts > 0
     cos = z @ z.T
     pair = lambda a, b, m: jnp.where(present[a] & present[b],
@@ -182,12 +191,14 @@ def disentangle_loss(features: Array, labels: Array, is_change: Array, num_types
             + lambdas[1] * intra / jnp.maximum(n_intra, 1.0))
 
 
-def consistency_term(out: Array, out_reversed: Array, weight: Array, directional: bool) -> Array:
+def consistency_term(out: Array, out_reversed: Array, weight: Array, directional: bool,
+                     axis_name: str | None = None) -> Array:
     """One expert's term: mean over the weighted pairs of 1 -/+ token-mean cosine (0 if none)."""
     cos = jnp.mean(jnp.sum(_normalize(out) * _normalize(out_reversed), -1), -1)
     per_pair = 1.0 + cos if directional else 1.0 - cos
-    n = jnp.sum(weight)
-    return jnp.where(n > 0, jnp.sum(per_pair * weight) / jnp.maximum(n, 1.0), 0.0)
+    n = _global_sum(jnp.sum(weight), axis_name)
+    total = _global_sum(jnp.sum(per_pair * weight), axis_name)
+    return jnp.where(n > 0, total / jnp.maximum(n, 1.0), 0.0)
 
 
 # ---- the plug-in -----------------------------------------------------------------------------
@@ -215,8 +226,11 @@ class MEDIC(nn.Module):
         self.no_change_expert = ExpertMemory(self.memory_size, 2 * self.dim)
 
     def __call__(self, diff_before: Array, diff_after: Array, grid_hw: tuple[int, int],
-                 labels: Array | None = None, *, train: bool = False) -> MEDICOutput:
-        """diff_* (B, N = H*W, D) -> :class:`MEDICOutput`; ``labels`` (B,) MEDIC indices."""
+                 labels: Array | None = None, *, train: bool = False,
+                 axis_name: str | None = None) -> MEDICOutput:
+        """diff_* (B, N = H*W, D) -> :class:`MEDICOutput`; ``labels`` (B,) MEDIC indices;
+        ``axis_name``: the data axis when run inside ``shard_map`` (losses over the global
+        batch)."""
         k = len(self.type_names)
         paired = jnp.concatenate([diff_before, diff_after], axis=-1)  # (B, N, 2D)
         paired_map = paired.reshape(paired.shape[0], *grid_hw, paired.shape[-1])
@@ -242,18 +256,19 @@ class MEDIC(nn.Module):
             consistency = sum(
                 consistency_term(o, self.experts[i](reversed_pair),
                                  (to_change & (labels == i)).astype(f),
-                                 self.type_names[i] in DIRECTIONAL)
+                                 self.type_names[i] in DIRECTIONAL, axis_name)
                 for i, o in enumerate(outs))
             consistency += consistency_term(out_nc, self.no_change_expert(reversed_pair),
-                                            to_none.astype(f), False)
+                                            to_none.astype(f), False, axis_name)
             losses = {
                 "change_cls": _cross_entropy(change_logits, (labels != k).astype(jnp.int32),
-                                             jnp.ones(labels.shape, f)),
+                                             jnp.ones(labels.shape, f), axis_name),
                 "change_type_cls": _cross_entropy(type_logits, labels,
-                                                  (to_change & (labels >= 0)).astype(f)),
+                                                  (to_change & (labels >= 0)).astype(f),
+                                                  axis_name),
                 "expert_disentangle": disentangle_loss(
                     features, labels, is_change, k, (self.margin_inter, self.margin_intra),
-                    (self.lambda_inter, self.lambda_intra)),
+                    (self.lambda_inter, self.lambda_intra), axis_name),
                 "expert_consistency": consistency,
             }
         return MEDICOutput(features, change_logits, type_logits, losses)
