@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from changecap_jax.data import entity_inputs
+from changecap_jax.io.jsonio import staging_dir
 from changecap_jax.prep import entity_recall
 
 ORACLE_BACKBONE = "oracle"
@@ -79,9 +80,7 @@ def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
     table = entity_recall._attribute_table(stored.texts)
     _link_tree(dataset.directory, out_dataset_dir)
     out = out_dataset_dir / entity_inputs.RETRIEVAL_DIR
-    tmp = out_dataset_dir / (entity_inputs.RETRIEVAL_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staging_dir(out_dataset_dir, entity_inputs.RETRIEVAL_DIR)
     coverage = {}
     try:
         for split in stored.meta["splits"]:
