@@ -131,7 +131,7 @@ class TrainPairs(grain.transforms.RandomMap):
               rng: np.random.Generator) -> tuple[int, bool, int]:
         """(semantic caption, swapped, no-change caption) of one record; ``num_no_change``
         None: the record has no distractor (no swap, no second caption drawn). The on-device
-        dataset (data/on_device.py) draws with this too, so both paths pick the same."""
+        dataset (trainers/on_device_data.py) draws with this too, so both paths pick the same."""
         # The rng draws stay in this order (semantic caption, swap, distractor caption): a
         # seed gives the batches it always gave.
         caption = int(rng.integers(num_captions))

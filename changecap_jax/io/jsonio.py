@@ -8,10 +8,12 @@ a shared machine are readable as the user's umask says.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +34,23 @@ def staging_dir(parent: str | os.PathLike, name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
     os.chmod(tmp, 0o777 & ~current_umask())
     return tmp
+
+
+@contextlib.contextmanager
+def replaced_folder(parent: str | os.PathLike, name: str) -> Iterator[Path]:
+    """Yields a :func:`staging_dir` to fill; when the block ends without an error it
+    replaces ``parent/name`` (an older one and all its files removed), otherwise it is
+    removed and ``parent/name`` stays as it was. Local disk only."""
+    tmp = staging_dir(parent, name)
+    try:
+        yield tmp
+        out = Path(parent) / name
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write(

@@ -84,7 +84,7 @@ import numpy as np
 
 from changecap_jax import console
 from changecap_jax.data import entity_inputs, image_files
-from changecap_jax.io.jsonio import atomic_write, staging_dir
+from changecap_jax.io.jsonio import atomic_write, replaced_folder
 from changecap_jax.prep import entities as entity_lib
 
 FORMAT = entity_inputs.FORMAT
@@ -620,8 +620,7 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
     entity_emb = model.encode_texts(texts)
     orientations = [o for o in ORIENTATION_IMAGES
                     if o == "semantic" or dataset.meta.has_distractor]
-    tmp = staging_dir(dataset.directory, RETRIEVAL_DIR)
-    try:
+    with replaced_folder(dataset.directory, RETRIEVAL_DIR) as tmp:
         accuracy, sizes = {}, {}
         for split in splits:
             source = dataset.split(split)
@@ -639,12 +638,6 @@ def run_retrieval(dataset: Any, *, backbone: str = "auto", clip_path: str | None
                 "chance_top3": min(1.0, 3 / len(texts)),
                 "entities": {"file": entity_lib.ENTITIES_FILE, "backend": extraction.backend}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     # The embedding cache of an interrupted CLIP run is spent once the result is written.
     shutil.rmtree(dataset.directory / CLIP_CACHE_DIR, ignore_errors=True)
     return meta

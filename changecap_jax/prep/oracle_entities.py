@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from changecap_jax.data import entity_inputs
-from changecap_jax.io.jsonio import staging_dir
+from changecap_jax.io.jsonio import replaced_folder
 from changecap_jax.prep import entity_recall
 
 ORACLE_BACKBONE = "oracle"
@@ -79,10 +78,8 @@ def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
     config = dataset.builder.builder_config
     table = entity_recall._attribute_table(stored.texts)
     _link_tree(dataset.directory, out_dataset_dir)
-    out = out_dataset_dir / entity_inputs.RETRIEVAL_DIR
-    tmp = staging_dir(out_dataset_dir, entity_inputs.RETRIEVAL_DIR)
     coverage = {}
-    try:
+    with replaced_folder(out_dataset_dir, entity_inputs.RETRIEVAL_DIR) as tmp:
         for split in stored.meta["splits"]:
             kept = stored.split(split)
             relevant = np.zeros((len(kept.record_ids), len(stored.texts)), bool)
@@ -107,12 +104,6 @@ def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
                                      "source_backbone": stored.meta["backbone"],
                                      "semantic_pairs_with_a_true_entity": coverage}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 
