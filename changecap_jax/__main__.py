@@ -14,10 +14,10 @@ from changecap_jax.cpu import allocator, platforms
 
 # name -> (module run as __main__, what it does)
 COMMANDS = {
-    "export": ("changecap_jax.inference.export", "a trained workdir as a self-contained model"),
-    "predict": ("changecap_jax.inference.predict", "caption image pairs with an exported model"),
-    "report": ("changecap_jax.inference.report", "one HTML page of a run's evaluation"),
-    "localize": ("changecap_jax.inference.localize", "where a model looks, against the boxes"),
+    "export": ("changecap_jax.commands.export", "a trained workdir as a self-contained model"),
+    "predict": ("changecap_jax.commands.predict", "caption image pairs with an exported model"),
+    "report": ("changecap_jax.commands.report", "one HTML page of a run's evaluation"),
+    "localize": ("changecap_jax.commands.localize", "where a model looks, against the boxes"),
     "convert": ("changecap_jax.convert.__main__", "an official PyTorch checkpoint as a workdir"),
     "benchmark": ("changecap_jax.tools.benchmark", "time a preset's step, decoding and input"),
     "aot": ("changecap_jax.tools.aot",

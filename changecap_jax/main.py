@@ -19,7 +19,7 @@
     --verbose                            tracebacks of user errors, and the whole config
 
 A run ends with a line naming its metrics, captions and checkpoints folders and the command
-that makes its HTML report (changecap_jax.inference.report).
+that makes its HTML report (changecap_jax.commands.report).
 """
 
 from __future__ import annotations

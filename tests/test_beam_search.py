@@ -1,4 +1,4 @@
-"""Beam search (changecap_jax/inference/decoding.py) on the three models of the trunk at tiny sizes
+"""Beam search (changecap_jax/decoding/search.py) on the three models of the trunk at tiny sizes
 with
 random parameters: beam 1 == greedy, beams never lose to greedy on these seeds, the reported
 scores equal a teacher-forced recompute of the returned beams (which checks the cache
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from changecap_jax import models
-from changecap_jax.inference import decoding
+from changecap_jax.decoding import search
 from configs import dirl as dirl_config
 from configs import scorer as scorer_config
 from configs import subtraction as subtraction_config
@@ -89,8 +89,8 @@ def random_params(name: str, seed: int, *, end_bias: float = 2.0, sharpen: float
         flat[path] = np.asarray(value, np.float32)
     logit = ("decoder", "logit")
     flat[logit + ("kernel",)] *= sharpen
-    flat[logit + ("bias",)][[decoding.PAD_ID, decoding.START_ID]] = -1e4
-    flat[logit + ("bias",)][decoding.END_ID] += end_bias
+    flat[logit + ("bias",)][[search.PAD_ID, search.START_ID]] = -1e4
+    flat[logit + ("bias",)][search.END_ID] += end_bias
     return {"params": flax.traverse_util.unflatten_dict(
         {k: jnp.asarray(v) for k, v in flat.items()})}
 
@@ -109,15 +109,15 @@ def _teacher_forced_log_probs(model, variables, before, after, rows, ids):
     memory = jax.tree_util.tree_map(lambda x: x[rows], memory)
     logits = model.apply(variables, memory, ids, method="decode")
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return lp.at[..., decoding.UNK_ID].set(decoding.UNK_LOG_PROB)
+    return lp.at[..., search.UNK_ID].set(search.UNK_LOG_PROB)
 
 
 def ids_of(tokens: tuple[int, ...], max_len: int) -> np.ndarray:
     """The id row the decoders write for predicted ``tokens``: START, words, 0 from END on."""
     row = np.zeros(max_len, np.int32)
-    row[0] = decoding.START_ID
+    row[0] = search.START_ID
     for j, t in enumerate(tokens):
-        if t == decoding.END_ID:
+        if t == search.END_ID:
             break
         row[j + 1] = t
     return row
@@ -127,7 +127,7 @@ def tokens_of(row: np.ndarray) -> tuple[int, ...]:
     """Predicted tokens of an id row (no live PAD): the words, then END at the first 0."""
     out = []
     for t in row[1:]:
-        out.append(int(t) if t else decoding.END_ID)
+        out.append(int(t) if t else search.END_ID)
         if not t:
             break
     return tuple(out)
@@ -143,7 +143,7 @@ def recomputed_scores(model, variables, before, after,
     rows = np.zeros(RECOMPUTE_ROWS, np.int32)
     rows[:n] = np.repeat(np.arange(len(hyps)), [len(h) for h in hyps])
     ids = np.zeros((RECOMPUTE_ROWS, model.max_len), np.int32)
-    ids[:, 0] = decoding.START_ID
+    ids[:, 0] = search.START_ID
     ids[:n] = [ids_of(t, model.max_len) for t in flat]
     lp = np.asarray(_teacher_forced_log_probs(model, variables, before, after,
                                               jnp.asarray(rows), jnp.asarray(ids)))
@@ -175,19 +175,19 @@ def setup(name: str):
 
 
 @functools.cache
-def greedy(name: str) -> decoding.DecodeOutput:
-    return decoding.greedy_decode(*setup(name), max_len=L)
+def greedy(name: str) -> search.DecodeOutput:
+    return search.greedy_decode(*setup(name), max_len=L)
 
 
 @functools.cache
-def beams(name: str, k: int, alpha: float = 0.0) -> decoding.BeamOutput:
-    return decoding.beam_search(*setup(name), beam_size=k, max_len=L, length_penalty=alpha)
+def beams(name: str, k: int, alpha: float = 0.0) -> search.BeamOutput:
+    return search.beam_search(*setup(name), beam_size=k, max_len=L, length_penalty=alpha)
 
 
 def check_layout(ids: np.ndarray, log_probs: np.ndarray | None = None) -> None:
     """START at 0, no UNK, zeros from END on (and log-prob 0 at 0 and after END)."""
-    assert np.all(ids[..., 0] == decoding.START_ID)
-    assert not np.any(ids == decoding.UNK_ID)
+    assert np.all(ids[..., 0] == search.START_ID)
+    assert not np.any(ids == search.UNK_ID)
     after_end = np.arange(ids.shape[-1]) > lengths_of(ids)[..., None]
     assert not np.any(ids[after_end])
     if log_probs is not None:
@@ -246,14 +246,14 @@ def test_exhaustive_beam_finds_the_best_sequences():
     so 12**3 = 1728 beams never prune; the beams must be exactly all of them, best first."""
     max_len, k = 4, V**3
     model, variables, before, after = setup("dirl")
-    out = decoding.beam_search(model, variables, before, after, beam_size=k, max_len=max_len)
+    out = search.beam_search(model, variables, before, after, beam_size=k, max_len=max_len)
     assert out.beam_ids.shape == (B, k, max_len)
 
     # Clean hypotheses use the words 4..11 only. The others hold PAD / START (logit bias
     # -1e4) or UNK (-1e10), and a live PAD is masked as padding by the teacher-forced decoder
     # but not by the cache, so for them only the count is checked.
     words = range(4, V)
-    end = (decoding.END_ID,)
+    end = (search.END_ID,)
     clean = [end] + [(a,) + end for a in words]
     clean += [(a, b, c) for a, b in itertools.product(words, words) for c in (*words, *end)]
     assert len(clean) == 1 + 8 + 64 * 9
@@ -301,7 +301,7 @@ def test_rows_finishing_at_different_steps_decode_as_alone():
     lengths = lengths_of(np.asarray(batch.beam_ids))
     assert len(set(lengths.max(1))) >= 2 and len(set(lengths[:, 0])) >= 3
     for row in range(B):
-        alone = decoding.beam_search(model, variables, before[row : row + 1],
+        alone = search.beam_search(model, variables, before[row : row + 1],
                                      after[row : row + 1], beam_size=3, max_len=L)
         np.testing.assert_array_equal(alone.beam_ids[0], batch.beam_ids[row])
         np.testing.assert_allclose(alone.beam_scores[0], batch.beam_scores[row], atol=1e-5)
@@ -311,6 +311,6 @@ def test_rows_finishing_at_different_steps_decode_as_alone():
 def test_rejects_bad_sizes():
     model, variables, before, after = setup("dirl")
     with pytest.raises(ValueError, match="beam_size"):
-        decoding.beam_search(model, variables, before, after, beam_size=0, max_len=L)
+        search.beam_search(model, variables, before, after, beam_size=0, max_len=L)
     with pytest.raises(ValueError, match="max_len"):
-        decoding.beam_search(model, variables, before, after, beam_size=2, max_len=0)
+        search.beam_search(model, variables, before, after, beam_size=2, max_len=0)

@@ -18,9 +18,10 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import tiny_config
 
-from changecap_jax.inference import export
-from changecap_jax.io import checkpoints
-from changecap_jax.trainers import captioning, loop, update
+from changecap_jax import exported_model
+from changecap_jax.commands import export
+from changecap_jax.io import checkpoints, metric_writer
+from changecap_jax.trainers import captioning, update
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, mo
     # Steps 3 and 4 again, exactly as the uninterrupted run made them.
     losses = [(step, m["loss"], m["loss/dirl"]) for step, m in resumed.history]
     assert losses == [(step, m["loss"], m["loss/dirl"]) for step, m in run["history"][2:]]
-    lines = (workdir / loop.SCALARS_FILE).read_text().splitlines()
+    lines = (workdir / metric_writer.SCALARS_FILE).read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     # The new step 4 was saved beside the damaged one kept for inspection, and restores.
     assert _steps(workdir) == [2, 4] and (workdir / "checkpoints" / "4.damaged").is_dir()
@@ -146,7 +147,7 @@ def test_export_takes_the_next_preferred_step(run, tmp_path, caplog, monkeypatch
     _truncate_arrays(workdir, 4)
     with caplog.at_level(logging.WARNING):
         out = export.export_model(workdir, tmp_path / "exported")
-    assert export.load_exported(out).step == 2
+    assert exported_model.load_exported(out).step == 2
     assert len(_damage_messages(caplog)) == 1
 
 

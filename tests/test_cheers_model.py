@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from changecap_jax import parallel
-from changecap_jax.inference import decoding
+from changecap_jax.decoding import search
 from changecap_jax.models import losses
 from changecap_jax.models.cheers import (
     CHEERS,
@@ -244,10 +244,10 @@ def test_cached_decoding_equals_full_recompute(use_gate):
     # Larger weights so that greedy paths vary between rows and steps.
     variables = jax.tree_util.tree_map(lambda x: x * 3.0, variables)
     cond = {"entities": batch["entities_semantic"]}
-    cached = decoding.greedy_decode(model, variables, batch["before"], batch["after_semantic"],
+    cached = search.greedy_decode(model, variables, batch["before"], batch["after_semantic"],
                                     max_len=9, conditioning=cond)
     if use_gate:
-        full = decoding.full_recompute_greedy(model, variables, batch["before"],
+        full = search.full_recompute_greedy(model, variables, batch["before"],
                                               batch["after_semantic"], max_len=9,
                                               conditioning=cond)
         np.testing.assert_array_equal(np.asarray(cached.ids), np.asarray(full.ids))
@@ -255,7 +255,7 @@ def test_cached_decoding_equals_full_recompute(use_gate):
         np.testing.assert_allclose(np.asarray(cached.log_probs), np.asarray(full.log_probs),
                                    atol=1e-4)
     # The entities reach the captions only through the gate (and the consistency loss).
-    other = decoding.greedy_decode(
+    other = search.greedy_decode(
         model, variables, batch["before"], batch["after_semantic"], max_len=9,
         conditioning={"entities": -batch["entities_semantic"]})
     changed = not np.array_equal(np.asarray(other.log_probs), np.asarray(cached.log_probs))

@@ -14,9 +14,9 @@ import pytest
 from entity_helpers import write_retrieval
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
-from changecap_jax import models
+from changecap_jax import exported_model, models
+from changecap_jax.commands import predict
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.inference import export, predict
 from changecap_jax.trainers import captioning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,9 +94,10 @@ def test_evaluation_lists_the_entities(data_dir, tmp_path):
         assert by_id[image_id]["entities"] == [texts[j] for j in ids["ids_semantic"][i]]
         assert by_id[image_id + "_n"]["entities"] == [texts[j] for j in ids["ids_distractor"][i]]
     # Export knows the entity input's shape; predict refuses (it has no retrieval step).
-    assert export.parameter_shapes(trainer.model, trainer.dataset.meta, trainer.max_len) == {
+    shapes = exported_model.parameter_shapes(trainer.model, trainer.dataset.meta, trainer.max_len)
+    assert shapes == {
         "/".join(k): v.shape for k, v in flax.traverse_util.flatten_dict(state.params).items()}
-    exported = export.ExportedModel(tmp_path, config, state.params, trainer.dataset.vocab,
+    exported = exported_model.ExportedModel(tmp_path, config, state.params, trainer.dataset.vocab,
                                     trainer.dataset.meta, {}, {}, 0)
     with pytest.raises(predict.PredictError, match="entities"):
         predict.Predictor(exported)

@@ -51,7 +51,7 @@ from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     load_torch_file,
     read_official_snapshot,
 )
-from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
 from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
 from changecap_jax.trainers import caption_step, captioning, optimizers, update  # noqa: E402
@@ -361,7 +361,7 @@ def _check_greedy(variant, model, params, snapshot_path, enc, dec) -> None:
     before, after = (rng.random((32, GRID, GRID, RAW), dtype=np.float32)
                      + 3 * rng.standard_normal((32, 1, 1, RAW), dtype=np.float32)
                      for _ in range(2))
-    ours_ids = decoding.greedy_decode(model, {"params": params}, jnp.asarray(before),
+    ours_ids = search.greedy_decode(model, {"params": params}, jnp.asarray(before),
                                       jnp.asarray(after), max_len=SEQ).ids
     with torch.no_grad():
         # The weights before the Adam step.

@@ -39,7 +39,7 @@ from changecap_jax.convert import (  # noqa: E402
 from changecap_jax.convert.models import scorer as scorer_converter  # noqa: E402
 from changecap_jax.convert.models.scorer import GENERATOR  # noqa: E402
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
-from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
 from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
 from changecap_jax.trainers import caption_step, captioning, optimizers, update  # noqa: E402
@@ -321,7 +321,7 @@ def _check_greedy(model, snapshot_path, enc, dec, gen, entries) -> None:
     edited = flax.traverse_util.unflatten_dict(
         {k: jnp.asarray(v) for k, v in
          tables.apply_table(entries, torch_states(enc, dec, gen)).items()}, sep="/")
-    ours_ids = decoding.greedy_decode(model, {"params": edited}, jnp.asarray(before),
+    ours_ids = search.greedy_decode(model, {"params": edited}, jnp.asarray(before),
                                       jnp.asarray(after), max_len=SEQ).ids
     np.testing.assert_array_equal(np.asarray(ours_ids), ref_ids.numpy())
     lengths = (ref_ids.numpy() != 0).sum(1)

@@ -1,4 +1,4 @@
-"""Cached greedy / sampling decoding (changecap_jax/inference/decoding.py) on a tiny random
+"""Cached greedy / sampling decoding (changecap_jax/decoding/search.py) on a tiny random
 DIRLCCR."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from changecap_jax.inference import decoding
+from changecap_jax.decoding import search
 from changecap_jax.models.dirl import DIRLCCR
 
 B, H, W, C, L, V = 6, 4, 4, 6, 8, 12
@@ -71,8 +71,8 @@ def _random_params(seed: int, *, end_bias: float = 5.0, unk_bias: float = 0.0) -
 def _check_layout(ids: np.ndarray, log_probs: np.ndarray) -> int:
     """START at 0, no UNK, zeros from END on; returns how many rows ended early."""
     assert ids.shape == (B, L) and log_probs.shape == (B, L)
-    assert np.all(ids[:, 0] == decoding.START_ID)
-    assert not np.any(ids == decoding.UNK_ID)
+    assert np.all(ids[:, 0] == search.START_ID)
+    assert not np.any(ids == search.UNK_ID)
     early = 0
     for row, lp in zip(ids, log_probs, strict=True):
         zeros = np.flatnonzero(row[1:] == 0)
@@ -89,8 +89,8 @@ def _check_layout(ids: np.ndarray, log_probs: np.ndarray) -> int:
 def test_cached_greedy_equals_full_recompute(seed):
     variables = _random_params(seed)
     before, after = _features(100 + seed)
-    fast = decoding.greedy_decode(MODEL, variables, before, after, max_len=L)
-    slow = decoding.full_recompute_greedy(MODEL, variables, before, after, max_len=L)
+    fast = search.greedy_decode(MODEL, variables, before, after, max_len=L)
+    slow = search.full_recompute_greedy(MODEL, variables, before, after, max_len=L)
     np.testing.assert_array_equal(fast.ids, slow.ids)
     np.testing.assert_allclose(fast.log_probs, slow.log_probs, rtol=1e-5, atol=1e-5)
     ids = np.asarray(fast.ids)
@@ -103,9 +103,9 @@ def test_cached_greedy_equals_full_recompute(seed):
 def test_sampling_is_deterministic_per_key_and_varies_across_keys():
     variables = _random_params(0, end_bias=0.0)
     before, after = _features(7)
-    a = decoding.sample_decode(MODEL, variables, before, after, jax.random.key(1), max_len=L)
-    b = decoding.sample_decode(MODEL, variables, before, after, jax.random.key(1), max_len=L)
-    c = decoding.sample_decode(MODEL, variables, before, after, jax.random.key(2), max_len=L)
+    a = search.sample_decode(MODEL, variables, before, after, jax.random.key(1), max_len=L)
+    b = search.sample_decode(MODEL, variables, before, after, jax.random.key(1), max_len=L)
+    c = search.sample_decode(MODEL, variables, before, after, jax.random.key(2), max_len=L)
     np.testing.assert_array_equal(a.ids, b.ids)
     np.testing.assert_array_equal(a.log_probs, b.log_probs)
     assert not np.array_equal(a.ids, c.ids)
@@ -117,21 +117,21 @@ def test_unk_is_never_emitted_even_when_most_likely():
     # UNK would win every argmax without the ban (-1e10 after the log-softmax).
     variables = _random_params(3, unk_bias=50.0)
     before, after = _features(8)
-    greedy = decoding.greedy_decode(MODEL, variables, before, after, max_len=L)
-    sampled = decoding.sample_decode(MODEL, variables, before, after, jax.random.key(0), max_len=L)
+    greedy = search.greedy_decode(MODEL, variables, before, after, max_len=L)
+    sampled = search.sample_decode(MODEL, variables, before, after, jax.random.key(0), max_len=L)
     for out in (greedy, sampled):
         _check_layout(np.asarray(out.ids), np.asarray(out.log_probs))
     # Without the ban it would be chosen: the raw argmax at step 0 is UNK.
-    memory = decoding._encode(MODEL, variables, before, after)
-    logits = decoding._full_logits(MODEL, variables, memory, greedy.ids)
-    assert np.all(np.argmax(np.asarray(logits[:, 0]), -1) == decoding.UNK_ID)
+    memory = search._encode(MODEL, variables, before, after)
+    logits = search._full_logits(MODEL, variables, memory, greedy.ids)
+    assert np.all(np.argmax(np.asarray(logits[:, 0]), -1) == search.UNK_ID)
 
 
 def test_all_rows_finished_stops_with_zeros():
     variables = _random_params(4, end_bias=60.0)  # END everywhere at the first step
     before, after = _features(9)
-    out = decoding.greedy_decode(MODEL, variables, before, after, max_len=L)
-    np.testing.assert_array_equal(out.ids[:, 0], decoding.START_ID)
+    out = search.greedy_decode(MODEL, variables, before, after, max_len=L)
+    np.testing.assert_array_equal(out.ids[:, 0], search.START_ID)
     np.testing.assert_array_equal(out.ids[:, 1:], 0)
     assert np.all(np.isfinite(np.asarray(out.log_probs[:, 1])))
     np.testing.assert_array_equal(out.log_probs[:, 2:], 0)

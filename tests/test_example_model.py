@@ -17,9 +17,9 @@ from conftest import SMALL
 from example_model import config as example_config
 from example_model.gated_difference import GatedDifference
 
-from changecap_jax import models
+from changecap_jax import exported_model, models
+from changecap_jax.commands import export, predict
 from changecap_jax.data import image_files
-from changecap_jax.inference import export, predict
 from changecap_jax.models import contract
 from changecap_jax.trainers import captioning
 
@@ -73,7 +73,7 @@ def test_evaluated_from_its_checkpoint(run, tmp_path):
 def test_exported_and_predicted(run, small_synthetic, tmp_path):
     _, workdir, _, _ = run
     model_dir = export.export_model(workdir, tmp_path / "exported")
-    loaded = export.load_exported(model_dir)
+    loaded = exported_model.load_exported(model_dir)
     assert loaded.config.model.name == example_config.MODEL and loaded.step == STEPS
     source = small_synthetic.split("test")
     pairs, ids = [], []

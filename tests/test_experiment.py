@@ -1,5 +1,5 @@
 """Getting a model without a trainer (changecap_jax/experiment.py, checkpoints.restore_params /
-restore_state, the step listing, decoding.decode_ids): the same dataset, model, lengths,
+restore_state, the step listing, search.decode_ids): the same dataset, model, lengths,
 parameters and captions as ``captioning.Trainer`` gives."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import tiny_config
 
-from changecap_jax import experiment
+from changecap_jax import experiment, exported_model
 from changecap_jax.data import datasets
-from changecap_jax.inference import decoding, export
+from changecap_jax.decoding import search
 from changecap_jax.io import checkpoints
 from changecap_jax.trainers import captioning
 
@@ -88,7 +88,7 @@ def _equal(a, b) -> None:
 
 def test_restore_params_and_state_equal_the_trainer_restore(built, saved):
     exp, trainer, workdir = built["experiment"], built["trainer"], built["workdir"]
-    like = export.abstract_params(exp.model, exp.dataset.meta, exp.max_len)
+    like = exported_model.abstract_params(exp.model, exp.dataset.meta, exp.max_len)
     manager = trainer.checkpoint_manager()
     for step, expected in ((None, 7), (3, 3), ("best", 3)):
         got_step, params = checkpoints.restore_params(workdir, like, step=step)
@@ -136,7 +136,7 @@ def test_decode_ids_equals_the_trainer_decode(built, saved, decode):
         before, after = np.asarray(batch["before"]), np.asarray(batch["after_semantic"])
         params, key = saved["states"][3].params, jax.random.key(5)
         expected = trainer.decode_fn(params, before, after, key)
-        got = decoding.decode_ids(exp.model, params, before, after,
+        got = search.decode_ids(exp.model, params, before, after,
                                   decode_config=trainer.config.decode, max_len=exp.max_len,
                                   key=key, compute_dtype=exp.compute_dtype)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))

@@ -1,4 +1,5 @@
-"""Attention heatmaps (changecap_jax/inference/explain.py) through the one hook of models/base.py.
+"""Attention heatmaps (changecap_jax/decoding/attention_maps.py) through the one hook of
+models/base.py.
 
 The teacher-forced heatmap of a decoded caption must equal the mean of the cross-attention
 the cached decoder actually used at each generated position, for every model on the trunk.
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from changecap_jax import models
-from changecap_jax.inference import decoding, explain
+from changecap_jax.decoding import attention_maps, search
 from changecap_jax.models.base import ATTENTION
 
 B, H, W, C, L, V = 5, 3, 4, 6, 9, 14
@@ -76,10 +77,10 @@ def test_heatmap_is_the_cached_decoders_attention(name):
     # writes them: START, words, zeros from END on.
     rng = np.random.default_rng(1)
     ids = np.zeros((B, L), np.int32)
-    ids[:, 0] = decoding.START_ID
+    ids[:, 0] = search.START_ID
     for row, words in enumerate([0, 2, 5, 3, L - 1]):
         ids[row, 1:1 + words] = rng.integers(4, V, size=words)
-    maps = explain.attention_maps(model, variables, before, after, ids)
+    maps = attention_maps.attention_maps(model, variables, before, after, ids)
     expected = _stepwise_attention(model, variables, before, after, ids).reshape(B, H, W)
     assert maps.before.shape == (B, H, W)
     np.testing.assert_allclose(maps.before, expected, atol=1e-5)
@@ -92,7 +93,7 @@ def test_model_without_layout_is_refused(monkeypatch):
     model, variables, before, after = _model_and_params("dirl")
     monkeypatch.setattr(type(model), "MEMORY_LAYOUT", "somewhere")
     with pytest.raises(ValueError, match="MEMORY_LAYOUT is 'somewhere'"):
-        explain.attention_maps(model, variables, before, after, np.zeros((B, L), np.int32))
+        attention_maps.attention_maps(model, variables, before, after, np.zeros((B, L), np.int32))
 
 
 def test_localization_is_the_pointing_game_on_the_union_of_the_boxes():
@@ -108,7 +109,7 @@ def test_localization_is_the_pointing_game_on_the_union_of_the_boxes():
     boxes_before = np.array([[60, 30, 80, 20], [60, 30, 80, 20], absent, [0, 0, 100, 50]],
                             np.float32)
     boxes_after = np.array([absent, absent, [150, 0, 50, 25], [50, 0, 100, 50]], np.float32)
-    result = explain.localization(heat, boxes_before, boxes_after, (100, 200))
+    result = attention_maps.localization(heat, boxes_before, boxes_after, (100, 200))
     # Pair 3's boxes overlap: their union is rows 0-1, columns 0-2, 6 of 16 cells.
     assert result.num_pairs == 4
     assert result.hit_rate == pytest.approx((0.64 + 0 + 1 + 6 / 16) / 4)
@@ -119,7 +120,7 @@ def test_overlay_keeps_size_and_marks_the_peak():
     image = np.full((40, 60, 3), 128, np.uint8)
     heat = np.zeros((2, 3), np.float32)
     heat[1, 2] = 1.0
-    out = explain.overlay(image, heat)
+    out = attention_maps.overlay(image, heat)
     assert out.shape == image.shape and out.dtype == np.uint8
     # The peak's corner turns towards the ramp's bright end, the opposite corner stays dark.
     assert out[35, 55].astype(int).sum() > out[5, 5].astype(int).sum() + 100

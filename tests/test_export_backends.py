@@ -15,7 +15,7 @@ import ml_collections
 import pytest
 
 from changecap_jax import models, parallel
-from changecap_jax.inference import decoding, explain
+from changecap_jax.decoding import attention_maps, search
 from changecap_jax.tools import synthetic_inputs
 from changecap_jax.trainers import caption_step, optimizers
 from tests.train_helpers import SMALL
@@ -74,7 +74,7 @@ def test_decoding_and_the_predict_program_lower_for_gpu_and_tpu(name, preset, dt
     for decode in (ml_collections.ConfigDict({"sample": False, "beam_size": 1}),
                    ml_collections.ConfigDict({"sample": False, "beam_size": 2,
                                               "length_penalty": 0.6})):
-        exported = _export(jax.jit(lambda p, b, a, c, decode=decode: decoding.decode_ids(
+        exported = _export(jax.jit(lambda p, b, a, c, decode=decode: search.decode_ids(
             model, p, b, a, decode_config=decode, max_len=CAPTION_LEN, key=jax.random.key(0),
             conditioning=c, compute_dtype=jnp.dtype(dtype))),
             spec(params), spec(batch["before"]), spec(batch["after_semantic"]), spec(conditioning))
@@ -83,7 +83,7 @@ def test_decoding_and_the_predict_program_lower_for_gpu_and_tpu(name, preset, dt
     if conditioning:  # predict serves only models that read the two images alone
         return
     ids = jax.ShapeDtypeStruct((batch["before"].shape[0], CAPTION_LEN), jnp.int32)
-    exported = _export(jax.jit(lambda p, b, a, i: explain._word_attention(
+    exported = _export(jax.jit(lambda p, b, a, i: attention_maps._word_attention(
         model, {"params": p}, b, a, i, {})),
         spec(params), spec(batch["before"]), spec(batch["after_semantic"]), ids)
     (weights,) = exported.out_avals

@@ -26,7 +26,7 @@ from train_helpers import SMALL, tiny_config
 
 from changecap_jax.data import datasets
 from changecap_jax.errors import UserError
-from changecap_jax.io import checkpoints, paths, workdir_lock
+from changecap_jax.io import checkpoints, metric_writer, paths, workdir_lock
 from changecap_jax.trainers import captioning, loop, update
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +159,8 @@ def _trainer(data_dir: str, workdir: str, steps: int, final: tuple[str, ...],
 
 def _scalars(workdir: str) -> list[dict]:
     """scalars.jsonl without the timings."""
-    lines = (paths.path(workdir) / loop.SCALARS_FILE).read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in loop.TIMING_SCALARS}
+    lines = (paths.path(workdir) / metric_writer.SCALARS_FILE).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in metric_writer.TIMING_SCALARS}
             for line in lines]
 
 

@@ -50,7 +50,7 @@ from changecap_jax.convert import (  # noqa: E402
 from changecap_jax.convert.models import idc_dict_json  # noqa: E402
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.convert.torch_checkpoint import IDC_STATE  # noqa: E402
-from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
 
@@ -259,7 +259,7 @@ def test_finetune_checkpoint_converted_by_the_command(setup, finetune_converted)
     img1, img2 = pairs(PAIRS, grid, seed=4)
     want = greedy_ref.greedy(t_tokens(img1), t_tokens(img2), max_len=STEPS).numpy()
     greedy_params = compare.load_params(greedy_workdir)
-    got = np.asarray(decoding.greedy_decode(model, {"params": greedy_params}, img1, img2,
+    got = np.asarray(search.greedy_decode(model, {"params": greedy_params}, img1, img2,
                                             max_len=STEPS).ids)
     assert got.shape == (PAIRS, STEPS)
     assert len({tuple(row) for row in got}) >= 8  # captions that depend on the images

@@ -31,11 +31,11 @@ from train_helpers import SMALL, tiny_run
 
 from changecap_jax import parallel
 from changecap_jax.data import datasets, extra_source, negatives, pipeline
-from changecap_jax.io import checkpoints
+from changecap_jax.io import checkpoints, metric_writer
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining
 from changecap_jax.models.base import INPUTS_FOLD
 from changecap_jax.prep import hard_negatives
-from changecap_jax.trainers import loop, pretraining
+from changecap_jax.trainers import pretraining
 from data_prep import cross_task as ct
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,7 +427,7 @@ def test_resume_continues_the_extra_stream_exactly(classify_trainer, classify_ru
     second.train()
     assert [s for s, _ in second.history] == list(range(INTERRUPT + 1, STEPS + 1))
     for (step, got), (_, want) in zip(second.history, full.history[INTERRUPT:], strict=True):
-        for timing in loop.TIMING_SCALARS:
+        for timing in metric_writer.TIMING_SCALARS:
             got.pop(timing), want.pop(timing)
         assert "mlm/fgvc_contrastive" in got
         assert got == want, step  # bit-identical

@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from torch_reference import idc_pcl as tref  # noqa: E402
 
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
-from changecap_jax.inference import decoding  # noqa: E402
+from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
@@ -297,7 +297,7 @@ def test_cached_greedy_equals_torch_full_recompute():
     img1, img2, _ = inputs(6, seed=8)
     want = ref.greedy(t_tokens(img1), t_tokens(img2), max_len=L).numpy()
     # The trunk's cached greedy loop under the model's rules (no UNK ban, all L - 1 steps).
-    got = np.asarray(decoding.greedy_decode(model, variables, img1, img2, max_len=L).ids)
+    got = np.asarray(search.greedy_decode(model, variables, img1, img2, max_len=L).ids)
     assert got.shape == (6, L) and np.all(got[:, 0] == tref.BOS_ID)
     assert len(np.unique(got[:, 1:])) > 1  # a non-degenerate decode
     np.testing.assert_array_equal(got, want)

@@ -27,10 +27,10 @@ from train_helpers import SMALL, tiny_run
 from changecap_jax import models, parallel
 from changecap_jax.data import datasets, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples
-from changecap_jax.io import checkpoints
+from changecap_jax.io import checkpoints, metric_writer
 from changecap_jax.models import base, idc_pcl, idc_pcl_pretraining
 from changecap_jax.prep import hard_negatives
-from changecap_jax.trainers import loop, pretraining
+from changecap_jax.trainers import pretraining
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -271,7 +271,7 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
         assert step == want_step
         task = pretraining.draw_task(SEED, step, TASKS, p)
         assert f"{task}/loss" in got and not {f"{t}/loss" for t in TASKS if t != task} & set(got)
-        for timing in loop.TIMING_SCALARS:
+        for timing in metric_writer.TIMING_SCALARS:
             got.pop(timing), want.pop(timing)
         assert got == want, step  # bit-identical
     assert set(draw for draw in (pretraining.draw_task(SEED, t, TASKS, p)
@@ -284,7 +284,7 @@ def test_resume_continues_every_task_stream_exactly(trainer, tmp_path):
     written = json.loads((tmp_path / "full" / "metrics" / f"pretrain_val_{STEPS}.json")
                          .read_text())
     assert written == full_val
-    scalars = [json.loads(line) for line in (tmp_path / "full" / loop.SCALARS_FILE)
+    scalars = [json.loads(line) for line in (tmp_path / "full" / metric_writer.SCALARS_FILE)
                .read_text().splitlines()]
     assert any("val/mvcl_loss" in s for s in scalars)
     # Fine-tuning starts from it (checkpoints.init_params_from): every parameter but the pooler;

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_run
 
-from changecap_jax import parallel
+from changecap_jax import exported_model, parallel
+from changecap_jax.commands import export, predict
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.inference import decoding, export, predict
+from changecap_jax.decoding import search
 from changecap_jax.io import checkpoints
 from changecap_jax.models import base, idc_pcl
 from changecap_jax.models.base import IGNORE_INDEX
@@ -183,7 +184,7 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     # Export and predict: the captions of the last state equal its val evaluation's, cut at
     # EOS although the model decodes all steps.
     model_dir = export.export_model(first, tmp_path / "exported", step=2)
-    predictor = predict.Predictor(export.load_exported(model_dir))
+    predictor = predict.Predictor(exported_model.load_exported(model_dir))
     val = datasets.prepare("synthetic", data_dir, "moderate", SMALL).split("val")
     records = [val[i] for i in range(4)]
     before = np.stack([r["before"] for r in records]).astype(np.float32)
@@ -281,15 +282,15 @@ def test_decoding_rules_no_unk_ban_all_steps_and_extra_tokens(data_dir):
     # Make UNK (1) the likeliest token everywhere: the official decoder does not ban it.
     bias = params["output_layer"]["bias"].at[1].add(100.0)
     params = {**params, "output_layer": {**params["output_layer"], "bias": bias}}
-    ids = np.asarray(decoding.greedy_decode(model, {"params": params}, grid, grid,
+    ids = np.asarray(search.greedy_decode(model, {"params": params}, grid, grid,
                                             max_len=12).ids)
     assert np.all(ids[:, 0] == 2) and np.all(ids[:, 1:] == 1)  # 11 steps, all UNK
     # Ending the loop at EOS changes no caption: the rows only differ after EOS.
     end_bias = params["output_layer"]["bias"].at[3].add(200.0)
     params = {**params, "output_layer": {**params["output_layer"], "bias": end_bias}}
-    raw = np.asarray(decoding.greedy_decode(model, {"params": params}, grid, grid,
+    raw = np.asarray(search.greedy_decode(model, {"params": params}, grid, grid,
                                             max_len=12).ids)
-    early = np.asarray(decoding.greedy_decode(model.clone(stop_at_eos=True),
+    early = np.asarray(search.greedy_decode(model.clone(stop_at_eos=True),
                                               {"params": params}, grid, grid, max_len=12).ids)
     # Raw ids keep EOS and what followed it; the early stop writes 0 from EOS on (trunk rule).
     assert np.all(raw[:, 1] == 3) and np.all(early[:, 1:] == 0)

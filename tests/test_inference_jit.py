@@ -1,4 +1,4 @@
-"""changecap_jax/inference/jit.py with changecap_jax/cpu/inference_options.py: decoding and
+"""changecap_jax/decoding/jit.py with changecap_jax/cpu/inference_options.py: decoding and
 attention maps compiled without XLA's YNNPACK library fusions on CPU (docs/performance.md
 "Decoding"), the same results as XLA's defaults; XLA's defaults where the options are unknown,
 where the CPU tunings are off, on another backend, and inside an outer traced program."""
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from changecap_jax import cpu
+from changecap_jax.decoding import jit
 from changecap_jax.cpu import inference_options
-from changecap_jax.inference import decoding, jit
+from changecap_jax.decoding import search
 from tests.test_decoding import MODEL, _features, _random_params
 
 
@@ -69,8 +70,8 @@ def test_greedy_decoding_is_the_default_compiled_one():
     function compiled with XLA's defaults."""
     before, after = _features(1)
     variables = _random_params(1)
-    ours = decoding.greedy_decode(MODEL, variables, before, after, max_len=8)
-    default = jax.jit(decoding._cached_decode.__wrapped__,
+    ours = search.greedy_decode(MODEL, variables, before, after, max_len=8)
+    default = jax.jit(search._cached_decode.__wrapped__,
                       static_argnames=("model", "max_len", "greedy"))(
         MODEL, variables, before, after, jax.random.key(0), 8, True, {})
     np.testing.assert_array_equal(ours.ids, default.ids)

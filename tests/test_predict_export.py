@@ -1,4 +1,4 @@
-"""Export (changecap_jax/inference/export.py), --mode=eval --model=DIR, and predict on raw image
+"""Export (changecap_jax/commands/export.py), --mode=eval --model=DIR, and predict on raw image
 pairs.
 
 A tiny DIRL+CCR is trained briefly on the tiny synthetic dataset; its export must caption the
@@ -21,9 +21,11 @@ import pytest
 from PIL import Image
 from train_helpers import tiny_config
 
+from changecap_jax import exported_model
+from changecap_jax.commands import export, localize, predict, report
 from changecap_jax.data import datasets, image_files
-from changecap_jax.inference import export, localize, predict, report
-from changecap_jax.trainers import captioning, loop
+from changecap_jax.io import metric_writer
+from changecap_jax.trainers import captioning
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 300
@@ -59,7 +61,7 @@ def test_export_contents(trained):
     dataset, config, workdir, model_dir = trained
     assert sorted(p.name for p in model_dir.iterdir()) == ["model.json", "params.msgpack",
                                                            "vocab.json"]
-    loaded = export.load_exported(model_dir)
+    loaded = exported_model.load_exported(model_dir)
     assert loaded.step == STEPS and loaded.vocab == dataset.vocab
     assert loaded.extractor == {"name": "synthetic_grid", "version": 2,
                                 "feature_shape": list(dataset.meta.feature_shape),
@@ -78,14 +80,14 @@ def test_export_contents(trained):
 
 def test_export_refuses_and_load_names_problems(trained, tmp_path):
     _, _, workdir, model_dir = trained
-    with pytest.raises(export.ExportError, match="is not empty"):
+    with pytest.raises(exported_model.ExportError, match="is not empty"):
         export.export_model(workdir, model_dir)
-    with pytest.raises(export.ExportError, match="no checkpoint of step 7"):
+    with pytest.raises(exported_model.ExportError, match="no checkpoint of step 7"):
         export.export_model(workdir, tmp_path / "x", step=7)
     # No training run there: the error says so and nothing is created.
     (tmp_path / "empty").mkdir()
     for name, message in (("absent", "does not exist"), ("empty", "holds no checkpoint")):
-        with pytest.raises(export.ExportError, match=message):
+        with pytest.raises(exported_model.ExportError, match=message):
             export.export_model(tmp_path / name, tmp_path / "y")
         assert not (tmp_path / name / "checkpoints").exists() and not (tmp_path / "y").exists()
 
@@ -99,13 +101,13 @@ def test_export_refuses_and_load_names_problems(trained, tmp_path):
 
     def newer(d: Path) -> None:
         desc = json.loads((d / "model.json").read_text())
-        desc["format_version"] = export.FORMAT_VERSION + 1
+        desc["format_version"] = exported_model.FORMAT_VERSION + 1
         (d / "model.json").write_text(json.dumps(desc))
 
-    with pytest.raises(export.ExportError, match="newer changecap_jax"):
-        export.load_exported(damaged("newer", newer))
-    with pytest.raises(export.ExportError, match="vocab.json is missing"):
-        export.load_exported(damaged("novocab", lambda d: (d / "vocab.json").unlink()))
+    with pytest.raises(exported_model.ExportError, match="newer changecap_jax"):
+        exported_model.load_exported(damaged("newer", newer))
+    with pytest.raises(exported_model.ExportError, match="vocab.json is missing"):
+        exported_model.load_exported(damaged("novocab", lambda d: (d / "vocab.json").unlink()))
 
     def reshape_param(d: Path) -> None:
         params = flax.serialization.msgpack_restore((d / "params.msgpack").read_bytes())
@@ -116,8 +118,8 @@ def test_export_refuses_and_load_names_problems(trained, tmp_path):
         (d / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(
             flax.traverse_util.unflatten_dict(flat)))
 
-    with pytest.raises(export.ExportError) as info:
-        export.load_exported(damaged("reshaped", reshape_param))
+    with pytest.raises(exported_model.ExportError) as info:
+        exported_model.load_exported(damaged("reshaped", reshape_param))
     message = str(info.value)
     assert "missing parameter decoder/logit/kernel" in message
     assert "parameter decoder/logit/bias has shape" in message
@@ -127,8 +129,8 @@ def test_export_refuses_and_load_names_problems(trained, tmp_path):
         desc["config"]["model"]["hidden_dim"] = 64
         (d / "model.json").write_text(json.dumps(desc))
 
-    with pytest.raises(export.ExportError, match="other parameters than the exported one"):
-        export.load_exported(damaged("other", other_model))
+    with pytest.raises(exported_model.ExportError, match="other parameters than the exported one"):
+        exported_model.load_exported(damaged("other", other_model))
 
 
 def _test_pairs(dataset) -> tuple[list, list[str]]:
@@ -148,7 +150,7 @@ def test_predict_equals_eval_and_features_match(trained, tmp_path):
     dataset, _, workdir, model_dir = trained
     pairs, ids = _test_pairs(dataset)
     # The extractor gives the stored features exactly.
-    extractor = predict.FeatureExtractor(export.load_exported(model_dir).extractor)
+    extractor = predict.FeatureExtractor(exported_model.load_exported(model_dir).extractor)
     record = dataset.split("test")[0]
     feats = extractor([pairs[0][0], pairs[0][1], pairs[1][1]])
     for got, key in zip(feats, ("before", "after_semantic", "after_distractor"), strict=True):
@@ -187,7 +189,7 @@ def test_predict_command_line(trained, tmp_path):
         im.resize((173, 131)).save(jpeg, quality=90)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    args = [sys.executable, "-m", "changecap_jax.inference.predict", f"--model={model_dir}",
+    args = [sys.executable, "-m", "changecap_jax.commands.predict", f"--model={model_dir}",
             f"--before={before}", f"--after={jpeg}", f"--out={tmp_path / 'cli'}",
             "--beam_size=3"]
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -239,7 +241,7 @@ def test_report_of_the_run_in_a_browser(trained, tmp_path):
     assert np.mean(ciders) == pytest.approx(metrics["CIDEr"], abs=0.05 + 1e-6 * len(ciders))
     assert all(len(c.find_all("img")) == 2 for c in cards)
     assert "http://" not in html and "https://" not in html
-    curves = report.read_curves(workdir / loop.SCALARS_FILE)
+    curves = report.read_curves(workdir / metric_writer.SCALARS_FILE)
     assert [s for s, _ in curves["loss"]] == list(range(25, STEPS + 1, 25))
 
     browser = page._browser()

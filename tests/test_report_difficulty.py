@@ -1,5 +1,5 @@
 """Tests for the report's "Difficulty: viewpoint change" section
-(changecap_jax.inference.report_html),
+(changecap_jax.commands.report_html),
 rendered from a metrics file's ``difficulty`` entry (docs/evaluation.md, docs/inference.md).
 
 The page is parsed with the DOM helper of test_report_html; the charts are checked on their SVG
@@ -12,7 +12,7 @@ import copy
 
 from test_report_html import CURVES, METRICS, Node, make_gallery, parse
 
-from changecap_jax.inference.report_html import render_report
+from changecap_jax.commands.report_html import render_report
 
 DASH = "\u2013"
 

@@ -1,4 +1,4 @@
-"""Tests for changecap_jax.inference.report_html (the self-contained HTML evaluation report).
+"""Tests for changecap_jax.commands.report_html (the self-contained HTML evaluation report).
 
 Structure is checked on the HTML string with :mod:`html.parser`; the browser tests open a written
 report in headless Chromium (skipped when no Chromium binary is installed) to check that the page
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
-from changecap_jax.inference.report_html import GalleryEntry, render_report, write_report
+from changecap_jax.commands.report_html import GalleryEntry, render_report, write_report
 
 # ---------------------------------------------------------------------------------------------
 # A small DOM built with html.parser

@@ -12,7 +12,8 @@ from train_helpers import SMALL, tiny_config
 
 from changecap_jax import parallel
 from changecap_jax.data import datasets
-from changecap_jax.trainers import captioning, loop
+from changecap_jax.io import metric_writer
+from changecap_jax.trainers import captioning
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,9 @@ def _run(data_dir, workdir):
     captioning.Trainer(config, workdir, mesh=parallel.make_mesh(1)).train()
     metrics = json.loads((workdir / "metrics" / "val_4.json").read_text())
     captions = json.loads((workdir / "captions" / "val_4.json").read_text())
-    scalars = (workdir / loop.SCALARS_FILE).read_text().splitlines()
+    scalars = (workdir / metric_writer.SCALARS_FILE).read_text().splitlines()
     return metrics, captions, [{k: v for k, v in json.loads(line).items()
-                                if k not in loop.TIMING_SCALARS} for line in scalars]
+                                if k not in metric_writer.TIMING_SCALARS} for line in scalars]
 
 
 def test_same_seed_same_machine_same_digits(data_dir, tmp_path):

@@ -24,7 +24,7 @@ from changecap_jax import parallel
 from changecap_jax.data import pipeline
 from changecap_jax.data.streams import STREAM_KEYS as STREAMS
 from changecap_jax.data.streams import make_caption_targets
-from changecap_jax.inference import decoding
+from changecap_jax.decoding import search
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.layers import sinusoid_table
 from changecap_jax.models.scorer import LOGIT_SCALE_MAX, SCORERCBR
@@ -458,15 +458,15 @@ def test_encode_then_decode_equals_training_logits(evaluated):
 
 
 def check_cached_greedy(model, seed: int) -> None:
-    """Cached greedy decoding (decoding.greedy_decode) == rerunning the whole decoder each step
-    (decoding.full_recompute_greedy, the official sample() loop) on random sharpened params."""
+    """Cached greedy decoding (search.greedy_decode) == rerunning the whole decoder each step
+    (search.full_recompute_greedy, the official sample() loop) on random sharpened params."""
     r = np.random.RandomState(100 + seed)
     before, after = (jnp.asarray(2 * r.randn(6, H, W, C), jnp.float32) for _ in range(2))
     shapes = {"before": before, "after_semantic": after,
               "change_caption": jnp.zeros((6, L), jnp.int32).at[:, 0].set(2)}
     variables = random_params(model, shapes, seed, sharpen=True)
-    fast = decoding.greedy_decode(model, variables, before, after, max_len=L)
-    slow = decoding.full_recompute_greedy(model, variables, before, after, max_len=L)
+    fast = search.greedy_decode(model, variables, before, after, max_len=L)
+    slow = search.full_recompute_greedy(model, variables, before, after, max_len=L)
     np.testing.assert_array_equal(fast.ids, slow.ids)
     np.testing.assert_allclose(fast.log_probs, slow.log_probs, rtol=1e-5, atol=1e-5)
     ids = np.asarray(fast.ids)

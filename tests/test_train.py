@@ -16,8 +16,8 @@ from train_helpers import SMALL, assert_eight_devices_equal_one, tiny_config
 
 from changecap_jax import parallel
 from changecap_jax.data import datasets, pipeline
-from changecap_jax.io import checkpoints
-from changecap_jax.trainers import captioning, loop, optimizers
+from changecap_jax.io import checkpoints, metric_writer
+from changecap_jax.trainers import captioning, optimizers
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _with_workers(config, workers):
 
 
 def _logged_steps(workdir: Path) -> list[int]:
-    lines = (workdir / loop.SCALARS_FILE).read_text().splitlines()
+    lines = (workdir / metric_writer.SCALARS_FILE).read_text().splitlines()
     return [json.loads(line)["step"] for line in lines]
 
 
@@ -69,7 +69,7 @@ def test_resume_continues_exactly(data_dir, tmp_path):
     first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
     # A crash after logging steps the checkpoint does not hold (and mid-line): the resume
     # replays them, and scalars.jsonl keeps one line per step.
-    with (tmp_path / "resumed" / loop.SCALARS_FILE).open("a") as fh:
+    with (tmp_path / "resumed" / metric_writer.SCALARS_FILE).open("a") as fh:
         fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
     second = captioning.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
                            tmp_path / "resumed")
@@ -79,7 +79,7 @@ def test_resume_continues_exactly(data_dir, tmp_path):
         assert resumed["loss"] == uninterrupted["loss"], step
         assert resumed["loss/dirl"] == uninterrupted["loss/dirl"], step
     assert _logged_steps(tmp_path / "resumed") == [1, 2, 3, 4, 5, 6]
-    logged = (tmp_path / "resumed" / loop.SCALARS_FILE).read_text().splitlines()
+    logged = (tmp_path / "resumed" / metric_writer.SCALARS_FILE).read_text().splitlines()
     assert 9.0 not in [json.loads(line)["loss"] for line in logged]
 
 

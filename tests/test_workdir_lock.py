@@ -121,11 +121,12 @@ def test_a_writer_removes_unfinished_saves_a_reader_does_not(tmp_path):
 
 
 def test_export_refuses_a_workdir_its_run_is_still_writing(tmp_path):
-    from changecap_jax.inference import export
+    from changecap_jax import exported_model
+    from changecap_jax.commands import export
 
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     me = workdir_lock.acquire(tmp_path, "main (training)")
-    with pytest.raises(export.ExportError, match=r"still being written by its run \(pid "):
+    with pytest.raises(exported_model.ExportError, match=r"still being written by its run \(pid "):
         export.export_model(tmp_path, tmp_path / "out")
     workdir_lock.release(tmp_path, me)
     assert not (tmp_path / "out").exists()

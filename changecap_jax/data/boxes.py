@@ -1,7 +1,7 @@
 """Object boxes on an image and on its feature grid: the viewpoint IoU of a pair (how far the
 camera moved), the share of each grid cell inside a box, and the pointing-game scores of an
 attention map against a box (docs/evaluation.md "Difficulty bins";
-``changecap_jax/evaluators/difficulty.py`` bins pairs by them, ``inference/explain.py`` scores
+``changecap_jax/evaluators/difficulty.py`` bins pairs by them, ``decoding/attention_maps.py`` scores
 heatmaps with them)."""
 
 from __future__ import annotations

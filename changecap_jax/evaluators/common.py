@@ -35,9 +35,9 @@ from jax.experimental import multihost_utils
 from changecap_jax.data import entity_inputs
 from changecap_jax.data.boxes import is_box
 from changecap_jax.data.streams import DISTRACTOR_LABELS
+from changecap_jax.decoding import attention_maps
+from changecap_jax.decoding.jit import inference_jit
 from changecap_jax.evaluators import captions, difficulty, idc_protocol, tokenize
-from changecap_jax.inference import explain
-from changecap_jax.inference.jit import inference_jit
 from changecap_jax.models import contract, precision
 
 
@@ -173,13 +173,14 @@ class DifficultyBins:
         self.num_bins, self.conditioning = num_bins, conditioning
         self.id_to_word = dataset.vocab.id_to_word
         self.image_size = dataset.meta.image_size
-        self.layout = explain.memory_layout(model)
+        self.layout = attention_maps.memory_layout(model)
 
         def attention(params: Any, before: jax.Array, after: jax.Array, ids: jax.Array,
                       conditioning: dict) -> jax.Array:
             variables, before, after, conditioning = precision.cast_floating(
                 ({"params": params}, before, after, conditioning), compute_dtype)
-            return explain.query_attention(model, variables, before, after, ids, conditioning)
+            return attention_maps.query_attention(model, variables, before, after, ids,
+                                                  conditioning)
 
         self.attention = inference_jit(attention)  # (B, L, M) per query
 
@@ -218,7 +219,7 @@ class DifficultyBins:
         if len(queries) == 0:
             self.without_change_words += 1
             return
-        maps = explain.grid_maps(self.layout, attention[queries].mean(axis=0)[None], grid)
+        maps = attention_maps.grid_maps(self.layout, attention[queries].mean(axis=0)[None], grid)
         self.pointing[image_id] = difficulty.score_pair((maps.before[0], maps.after[0]), boxes,
                                                         self.image_size)
 

@@ -30,7 +30,7 @@ class UnreadableJSONError(UserError, ValueError):
 def staging_dir(parent: str | os.PathLike, name: str) -> Path:
     """A fresh hidden folder ``parent/.name.XXXX`` to fill and then ``os.replace`` onto
     ``parent/name``, with the mode ``mkdir`` would give it (not mkdtemp's 0700). Local disk
-    only: a bucket has no folder rename (see ``inference/export.py`` for a bucket output)."""
+    only: a bucket has no folder rename (``exported_model.write_export`` handles a bucket)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=parent))
     os.chmod(tmp, 0o777 & ~current_umask())
     return tmp

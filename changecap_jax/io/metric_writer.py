@@ -23,6 +23,10 @@ import numpy as np
 from changecap_jax.io import paths
 from changecap_jax.io.jsonio import atomic_write
 
+# In a workdir: every logged scalar, one JSON object per line (the report's curves).
+SCALARS_FILE = "scalars.jsonl"
+# The logged scalars that measure time: they differ between two runs of the same steps.
+TIMING_SCALARS = ("steps_per_second", "examples_per_second", "checkpoint_wait_s")
 SYNC_S = 30.0  # a bucket logdir: how often the local event files are uploaded
 
 

@@ -16,8 +16,8 @@ end id, which ids are banned, whether a row stops at its end token) says so with
 ``decoding_rules`` property (:class:`DecodingRules`); ids the vocabulary does not hold (e.g. an
 appended [MASK] row) are named by an ``extra_tokens`` property {id: text}.
 
-Where a model looked (the one hook ``changecap_jax.inference.explain`` uses for heatmaps, for every
-model): each cross-attention of the decoder to its memory sows its probabilities
+Where a model looked (the one hook ``changecap_jax.decoding.attention_maps`` uses for heatmaps,
+for every model): each cross-attention of the decoder to its memory sows its probabilities
 (B, heads, Lq, M) into the collection :data:`ATTENTION` when that collection is mutable
 (``model.apply(..., method="decode", mutable=[ATTENTION])``), and the model class states in
 ``MEMORY_LAYOUT`` how its M memory slots lie on the images:
@@ -71,7 +71,7 @@ class ModelOutput:
 
 
 class DecodingRules(NamedTuple):
-    """Token conventions of the decoding loops (``changecap_jax.inference.decoding``). The defaults
+    """Token conventions of the decoding loops (``changecap_jax.decoding.search``). The defaults
     are
     the trunk vocabulary's and the SCORER / DIRL ``sample()``: START 2, END 3, UNK (1) banned,
     a row stops at END and is written as 0 from there on. With ``stop_at_end=False`` greedy and

@@ -449,7 +449,7 @@ class CHEERS(contract.TrunkModel, nn.Module):
         mean_aux = {k: sum(a[k] for a in aux) / len(aux) for k in aux[0]}
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=mean_aux)
 
-    # ---- decoding protocol (changecap_jax/inference/decoding.py) ---
+    # ---- decoding protocol (changecap_jax/decoding/search.py) ---
 
     def encode(self, before: Array, after: Array, *, train: bool = False,
                entities: Array | None = None) -> tuple[Array, Array | None]:

@@ -5,7 +5,7 @@ A model on the trunk is a Flax module that satisfies :class:`CaptionModel`:
 * ``__call__(batch, *, train, axis_name=None) -> ModelOutput``: one training forward pass on
   a batch laid out as ``changecap_jax/data/streams.py`` says (models/base.py explains the
   output and the rng streams);
-* the decoding protocol of ``changecap_jax/inference/decoding.py``: ``encode``, ``init_cache``,
+* the decoding protocol of ``changecap_jax/decoding/search.py``: ``encode``, ``init_cache``,
   ``decode_step`` and the full-recompute reference ``decode``;
 * declared attributes: ``streams`` (the caption streams it trains on), ``decoding_rules``,
   ``extra_tokens``, ``conditioning_shapes`` (models/base.py) and the class constants

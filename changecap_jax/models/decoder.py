@@ -343,7 +343,7 @@ class DelegatedDecoding(nn.Module):
     """``init_cache``, ``decode_step`` and ``decode`` of a model whose submodule ``decoder``
     (a Speaker or DIRL's CCR decoder) does the decoding: ``decoder.init_cache(memory, max_len)``,
     ``decoder.step(token, index)`` and ``decoder(memory, ids, train=...)[0]`` (the logits).
-    The model defines ``encode`` itself (changecap_jax/inference/decoding.py)."""
+    The model defines ``encode`` itself (changecap_jax/decoding/search.py)."""
 
     def init_cache(self, memory: Array, max_len: int) -> None:
         """Create the 'cache' collection: per layer, zeroed self-attention keys/values for

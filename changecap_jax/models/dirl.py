@@ -59,7 +59,7 @@ The 1x1 projection's kernel row c is input channel c; with coordinates, rows C a
 x and y channels (same order as AddSpatialInfo). Row 0 of ``decoder/embed/embedding`` must get a
 zero gradient (torch ``padding_idx=0``); that mask belongs to the trainer (§1.2).
 
-Decoding protocol (used by :mod:`changecap_jax.inference.decoding`): ``encode``, ``init_cache``,
+Decoding protocol (used by :mod:`changecap_jax.decoding.search`): ``encode``, ``init_cache``,
 ``decode_step``; ``decode`` is the full-recompute reference.
 """
 

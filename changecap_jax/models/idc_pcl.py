@@ -739,7 +739,7 @@ class IDCPCL(contract.TrunkModel, nn.Module):
                 keys, jnp.asarray(batch[streams.STREAMS[stream].caption], jnp.int32))
         return masked
 
-    # ---- decoding protocol (changecap_jax/inference/decoding.py; §5.5) ---
+    # ---- decoding protocol (changecap_jax/decoding/search.py; §5.5) ---
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """Memory = I (B, 2N+2, d), the image/CLS part of the cross-modal input."""

@@ -46,7 +46,7 @@ y channels (the AddSpatialInfo order). Rows 0-511 of ``cbr/conv1/kernel`` read X
 512-1023 the sentence vector. ``decoder/embed/embedding`` row 0 must get a zero gradient (torch
 ``padding_idx=0``; the presets set ``optim.zero_grad_rows``); its value is NOT zero (S-Q7).
 
-Decoding protocol (used by :mod:`changecap_jax.inference.decoding`): ``encode``, ``init_cache``,
+Decoding protocol (used by :mod:`changecap_jax.decoding.search`): ``encode``, ``init_cache``,
 ``decode_step``; ``decode`` is the full-recompute reference.
 """
 

@@ -1,7 +1,7 @@
 """The sharded programs of a training run, compiled for a TPU slice or GPUs from a CPU machine.
 
 :func:`build_programs` makes, from a config alone, the jitted programs a training run of it
-compiles (``captioning.make_train_step`` and the evaluation's ``decoding.decode_ids``, or one
+compiles (``captioning.make_train_step`` and the evaluation's ``search.decode_ids``, or one
 ``pretraining.make_task_step`` per pretraining task), over a ``data`` mesh of the slice's (the
 GPUs') compile-only devices (``jax.experimental.topologies``), with abstract arguments: the train
 state from ``jax.eval_shape`` and batches of the dataset's shapes (``synthetic_inputs``) in its
@@ -30,8 +30,8 @@ from jax.sharding import Mesh
 
 from changecap_jax import models, parallel
 from changecap_jax.data.negatives import NUM_NEGATIVES
+from changecap_jax.decoding import search
 from changecap_jax.errors import UserError
-from changecap_jax.inference import decoding
 from changecap_jax.models import precision
 from changecap_jax.models.base import conditioning_shapes
 from changecap_jax.tools import flop_count, interconnect, tpu_specs
@@ -177,7 +177,7 @@ def build_programs(config: ml_collections.ConfigDict, mesh: Mesh, shapes: si.Inp
 def _decode_program(config: ml_collections.ConfigDict, model: Any, state: Any,
                     example: dict, feature_dtype: Any, compute_dtype: Any, max_len: int,
                     mesh: Mesh) -> Program:
-    """Evaluation's decoding of one eval batch (``decoding.decode_ids``, as
+    """Evaluation's decoding of one eval batch (``search.decode_ids``, as
     ``captioning.Trainer.decode_fn``), from the parameters cast once to the compute dtype;
     the train state stays in HBM meanwhile."""
     repl, data = parallel.replicated(mesh), parallel.batch_sharding(mesh)
@@ -192,7 +192,7 @@ def _decode_program(config: ml_collections.ConfigDict, model: Any, state: Any,
     conditioning = {n: inputs.pop(n) for n in names}
 
     def decode(params: Any, before: jax.Array, after: jax.Array, conditioning: dict) -> Any:
-        return decoding.decode_ids(model, params, before, after, decode_config=config.decode,
+        return search.decode_ids(model, params, before, after, decode_config=config.decode,
                                    max_len=max_len, key=jax.random.key(config.seed),
                                    conditioning=conditioning, compute_dtype=compute_dtype)
 

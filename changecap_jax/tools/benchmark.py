@@ -69,8 +69,8 @@ from ml_collections import config_flags
 
 from changecap_jax import cli, compile_cache, models, parallel
 from changecap_jax.cpu import allocator
+from changecap_jax.decoding import search
 from changecap_jax.errors import UserError
-from changecap_jax.inference import decoding
 from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.models import precision
 from changecap_jax.models.base import conditioning_shapes
@@ -284,7 +284,7 @@ def time_decode(setup: Setup, batches: int, compute_dtype: Any = jnp.float32) ->
                                              compute_dtype)
 
     def once() -> float:
-        return timed(lambda: jax.block_until_ready(decoding.greedy_decode(
+        return timed(lambda: jax.block_until_ready(search.greedy_decode(
             setup.model, {"params": params}, inputs["before"], inputs["after"],
             max_len=setup.max_len, conditioning=inputs["conditioning"]).ids))
 

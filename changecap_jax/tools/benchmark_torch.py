@@ -22,7 +22,7 @@ import numpy as np
 
 from changecap_jax.convert import registry, tables
 from changecap_jax.data.streams import BEFORE, STREAMS
-from changecap_jax.inference import decoding
+from changecap_jax.decoding import search
 from changecap_jax.tools import torch_reference
 from changecap_jax.tools.benchmark_alternating import alternate_with_jax_step, timed
 from changecap_jax.tools.torch_reference import TorchReferenceError
@@ -116,7 +116,7 @@ def compare_decode(step: Any, setup: Any, rounds: int) -> dict[str, Any]:
     before_host, after_host = jax.device_get((inputs["before"], inputs["after"]))
 
     def jax_decode() -> Any:
-        out = decoding.greedy_decode(setup.model, variables, inputs["before"], inputs["after"],
+        out = search.greedy_decode(setup.model, variables, inputs["before"], inputs["after"],
                                      max_len=setup.max_len)
         return jax.block_until_ready(out)
 

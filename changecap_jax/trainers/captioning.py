@@ -24,12 +24,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from changecap_jax import console, experiment, parallel
+from changecap_jax import console, experiment, exported_model, parallel
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.data.streams import STREAM_INPUTS
+from changecap_jax.decoding import search
 from changecap_jax.evaluators import captions, common, idc_protocol
 from changecap_jax.evaluators.results import write_results
-from changecap_jax.inference import decoding, export
 from changecap_jax.io import checkpoints, paths
 from changecap_jax.io.metric_writer import MetricWriter
 from changecap_jax.models import contract, precision
@@ -220,8 +220,8 @@ class Trainer:
 
     def decode_fn(self, params: Any, before: jax.Array, after: jax.Array,
                   key: jax.Array, conditioning: dict[str, jax.Array] | None = None) -> jax.Array:
-        """Caption ids of a batch as ``config.decode`` says (``decoding.decode_ids``)."""
-        return decoding.decode_ids(self.model, params, before, after,
+        """Caption ids of a batch as ``config.decode`` says (``search.decode_ids``)."""
+        return search.decode_ids(self.model, params, before, after,
                                    decode_config=self.config.decode, max_len=self.max_len,
                                    key=key, conditioning=conditioning,
                                    compute_dtype=self.compute_dtype)
@@ -347,12 +347,12 @@ def _text(x: Any) -> str:
 
 def evaluate_exported(model_dir: str | os.PathLike, workdir: str | os.PathLike,
                       config: ml_collections.ConfigDict | None = None) -> dict[str, Any]:
-    """``--mode=eval --model=DIR``: scores an exported model (``changecap_jax.inference.export``)
+    """``--mode=eval --model=DIR``: scores an exported model (``changecap_jax.exported_model``)
     on the
     final splits, writing captions/ and metrics/ into ``workdir``. Without ``config`` the run
     uses the exported config; with one, every field but ``model`` comes from it (another
     dataset directory, decoding, splits), and the dataset's vocabulary must be the model's."""
-    exported = export.load_exported(model_dir)
+    exported = exported_model.load_exported(model_dir)
     run = exported.config
     if config is not None:
         run = ml_collections.ConfigDict(config.to_dict())
@@ -367,7 +367,7 @@ def evaluate_exported(model_dir: str | os.PathLike, workdir: str | os.PathLike,
         raise datasets.DatasetError(
             f"the model in {model_dir} decodes {exported.max_len} tokens but this run "
             f"{trainer.max_len}; set --config.decode.max_len={exported.max_len}")
-    export.check_parameters(exported.params, export.parameter_shapes(
+    exported_model.check_parameters(exported.params, exported_model.parameter_shapes(
         trainer.model, trainer.dataset.meta, trainer.max_len), str(model_dir))
     params = jax.device_put(exported.params, parallel.replicated(trainer.mesh))
     state = TrainState(step=jnp.int32(exported.step), params=params, opt_state=None,

@@ -37,14 +37,11 @@ from changecap_jax.cpu import allocator
 from changecap_jax.errors import TrainingDivergedError
 from changecap_jax.io import checkpoints, paths, run_config
 from changecap_jax.io.jsonio import write_json_atomic
-from changecap_jax.io.metric_writer import MetricWriter
+from changecap_jax.io.metric_writer import SCALARS_FILE, MetricWriter
 from changecap_jax.trainers import profiling
 from changecap_jax.trainers.preemption import Preempted, PreemptionNotice
 from changecap_jax.trainers.update import NONFINITE_METRIC, TrainState
 
-SCALARS_FILE = "scalars.jsonl"  # every logged scalar, one JSON object per line (report's curves)
-# The logged scalars that measure time: they differ between two runs of the same steps.
-TIMING_SCALARS = ("steps_per_second", "examples_per_second", "checkpoint_wait_s")
 BEST_DIR = "best"  # the best-validation state and the early-stopping record
 
 

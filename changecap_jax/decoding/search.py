@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.inference.jit import inference_jit
+from changecap_jax.decoding.jit import inference_jit
 from changecap_jax.models import precision
 from changecap_jax.models.base import DecodingRules, decoding_rules
 

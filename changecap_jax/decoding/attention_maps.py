@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from changecap_jax.data import boxes
-from changecap_jax.inference.jit import inference_jit
+from changecap_jax.decoding.jit import inference_jit
 from changecap_jax.models.base import ATTENTION, MEMORY_LAYOUTS
 
 Array = jax.Array

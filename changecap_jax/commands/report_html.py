@@ -1,6 +1,6 @@
 """One static, self-contained HTML page that reports an evaluation.
 
-Pure rendering: the caller (``changecap_jax/inference/report.py``) gathers the metrics, the logged
+Pure rendering: the caller (``changecap_jax/commands/report.py``) gathers the metrics, the logged
 scalar
 curves and the per-pair captions; this module turns them into a single HTML file with
 
@@ -808,7 +808,7 @@ _CSP = (
 # The page's style and its sort/filter script (which applies the sort / filter named in the URL
 # fragment or query, keeps the fragment in step with the controls so that a view can be shared,
 # and sorts by the ranks Python wrote on each card), inlined into every page.
-_ASSETS = importlib.resources.files("changecap_jax.inference") / "report_assets"
+_ASSETS = importlib.resources.files("changecap_jax.commands") / "report_assets"
 _CSS = "\n" + (_ASSETS / "report.css").read_text(encoding="utf-8")
 _JS = "\n" + (_ASSETS / "report.js").read_text(encoding="utf-8")
 

@@ -14,7 +14,7 @@ any format PIL reads (the first frame of an animation).
 For each pair it prints the caption and writes, under ``--out`` (default ``predictions``):
 
 * ``<name>.png``: before and after side by side, each with the model's attention heatmap
-  (``changecap_jax.inference.explain``: cross-attention from the generated words to the grid,
+  (``changecap_jax.decoding.attention_maps``: cross-attention from the generated words to the grid,
   averaged
   over heads, layers and words), the caption underneath;
 * ``<name>.json``: the image paths, the caption, its tokens with their log-probabilities, the
@@ -40,10 +40,10 @@ from absl import app, flags
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 from changecap_jax import cli, compile_cache, console
+from changecap_jax.decoding import attention_maps, search
 from changecap_jax.errors import UserError
+from changecap_jax.exported_model import ExportedModel, load_exported
 from changecap_jax.features import grid
-from changecap_jax.inference import decoding, explain
-from changecap_jax.inference.export import ExportedModel, load_exported
 from changecap_jax.io import paths
 from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.models.base import conditioning_shapes, decoding_rules, extra_tokens
@@ -214,11 +214,11 @@ class Predictor:
 
     def decode(self, before: np.ndarray, after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.beam_size > 1:
-            out = decoding.beam_search(self.model, self.variables, before, after,
+            out = search.beam_search(self.model, self.variables, before, after,
                                        beam_size=self.beam_size, max_len=self.exported.max_len,
                                        length_penalty=self.length_penalty)
         else:
-            out = decoding.greedy_decode(self.model, self.variables, before, after,
+            out = search.greedy_decode(self.model, self.variables, before, after,
                                          max_len=self.exported.max_len)
         return np.asarray(out.ids), np.asarray(out.log_probs)
 
@@ -226,7 +226,7 @@ class Predictor:
                 names: Sequence[tuple[str, str]]) -> list[Prediction]:
         """Features (N, H, W, C) of N pairs -> N predictions."""
         ids, log_probs = self.decode(before, after)
-        maps = explain.attention_maps(self.model, self.variables, before, after, ids)
+        maps = attention_maps.attention_maps(self.model, self.variables, before, after, ids)
         vocab = self.exported.vocab
         end_id, extra = decoding_rules(self.model).end_id, extra_tokens(self.model)
         out = []
@@ -253,7 +253,7 @@ def render_pair(before_img: np.ndarray, after_img: np.ndarray, prediction: Predi
                                (after_img, prediction.heatmap_after, "after")):
         width = max(1, round(image.shape[1] * height / image.shape[0]))
         resized = np.asarray(Image.fromarray(image).resize((width, height), Image.BILINEAR))
-        panel = Image.fromarray(explain.overlay(resized, heat))
+        panel = Image.fromarray(attention_maps.overlay(resized, heat))
         ImageDraw.Draw(panel).text((6, 4), label, fill=(255, 255, 255))
         panels.append(panel)
     gap, strip = 8, 28

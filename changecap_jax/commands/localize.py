@@ -23,15 +23,15 @@ import numpy as np
 from absl import app, flags
 
 from changecap_jax import cli, compile_cache, console
+from changecap_jax.commands.predict import Predictor
 from changecap_jax.data import datasets
-from changecap_jax.inference import explain
-from changecap_jax.inference.export import load_exported
-from changecap_jax.inference.predict import Predictor
+from changecap_jax.decoding import attention_maps
+from changecap_jax.exported_model import load_exported
 
 
 def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int = 1,
             batch_size: int = 50, data_dir: str | None = None
-            ) -> dict[str, explain.Localization]:
+            ) -> dict[str, attention_maps.Localization]:
     """{"all": ..., <change type>: ...} localization of a split's semantic pairs."""
     exported = load_exported(model_dir)
     ds = exported.config.dataset
@@ -55,7 +55,8 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
         before = np.stack([r["before"] for r in take]).astype(np.float32)
         after = np.stack([r["after_semantic"] for r in take]).astype(np.float32)
         ids, _ = predictor.decode(before, after)
-        maps = explain.attention_maps(predictor.model, predictor.variables, before, after, ids)
+        maps = attention_maps.attention_maps(predictor.model, predictor.variables, before,
+                                             after, ids)
         for j, r in enumerate(records):
             # Peak over both images' maps (identical for a shared-grid memory).
             heat.append(maps.before[j] + maps.after[j])
@@ -67,15 +68,15 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
     groups: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(types):
         groups[t].append(i)
-    results = {"all": explain.localization(heat, boxes_b, boxes_a, size)}
+    results = {"all": attention_maps.localization(heat, boxes_b, boxes_a, size)}
     for t in dataset.meta.change_types:
         if groups.get(t):
             idx = np.array(groups[t])
-            results[t] = explain.localization(heat[idx], boxes_b[idx], boxes_a[idx], size)
+            results[t] = attention_maps.localization(heat[idx], boxes_b[idx], boxes_a[idx], size)
     return results
 
 
-def format_results(results: dict[str, explain.Localization]) -> str:
+def format_results(results: dict[str, attention_maps.Localization]) -> str:
     lines = [f"{'pairs':<10}{'n':>6}{'pointing':>14}{'uniform':>10}"]
     for name, r in results.items():
         lines.append(f"{name:<10}{r.num_pairs:>6}{100 * r.hit_rate:>13.1f}%"

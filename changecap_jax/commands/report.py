@@ -29,16 +29,15 @@ import numpy as np
 from absl import app, flags
 from PIL import Image
 
-from changecap_jax import cli, compile_cache, console, experiment
+from changecap_jax import cli, compile_cache, console, experiment, exported_model
+from changecap_jax.commands.report_html import GalleryEntry, write_report
 from changecap_jax.data import image_files
 from changecap_jax.data.vocab import START_ID
+from changecap_jax.decoding import attention_maps
 from changecap_jax.errors import UserError
 from changecap_jax.evaluators import captions
-from changecap_jax.inference import explain, export
-from changecap_jax.inference.report_html import GalleryEntry, write_report
-from changecap_jax.io import checkpoints, paths, run_config
+from changecap_jax.io import checkpoints, metric_writer, paths, run_config
 from changecap_jax.io.jsonio import read_json
-from changecap_jax.trainers import loop
 
 THUMBNAIL_HEIGHT = 160
 
@@ -117,7 +116,7 @@ def heatmap_images(exp: experiment.Experiment, params: Any,
         # A model's extra per-pair inputs: the record's field of the pair's orientation.
         conditioning = {c: np.stack([pairs[i][0][f"{c}_{_orientation(pairs[i][1])}"]
                                      for i in take]) for c in exp.conditioning}
-        maps = explain.attention_maps(model, {"params": params}, before, after, ids,
+        maps = attention_maps.attention_maps(model, {"params": params}, before, after, ids,
                                       conditioning)
         for j, i in enumerate(chunk):
             record, after_key, _ = pairs[i]
@@ -126,7 +125,8 @@ def heatmap_images(exp: experiment.Experiment, params: Any,
             for name, key, heat in (("before", "before", maps.before[j]),
                                     ("after", after_key, maps.after[j])):
                 with Image.open(files[key]) as im:
-                    images[name] = _thumbnail(explain.overlay(np.asarray(im.convert("RGB")), heat))
+                    pixels = np.asarray(im.convert("RGB"))
+                    images[name] = _thumbnail(attention_maps.overlay(pixels, heat))
             out[i] = images
     return out
 
@@ -172,10 +172,10 @@ def build_report(workdir: str | os.PathLike, split: str = "test", step: int | No
     notes = [f"workdir {where}", f"split {split}, step {step}",
              f"model {config.model.name}, dataset {exp.dataset.name}",
              "heatmaps: decoder cross-attention from the generated words to the grid, averaged "
-             "over heads, layers and words (changecap_jax.inference.explain)"]
+             "over heads, layers and words (changecap_jax.decoding.attention_maps)"]
     out = paths.path(out) if out else workdir / f"report_{split}_{step}.html"
     write_report(out, title=f"{config.model.name} on {exp.dataset.name} / {split} @ {step}",
-                 metrics=metrics, curves=read_curves(workdir / loop.SCALARS_FILE),
+                 metrics=metrics, curves=read_curves(workdir / metric_writer.SCALARS_FILE),
                  gallery=gallery, notes=notes, max_gallery=max_gallery)
     if not paths.is_remote(out):
         os.chmod(out, 0o644)  # a page to share (the atomic write creates it 0600)
@@ -191,7 +191,7 @@ def checkpoint_params(workdir: paths.AnyPath, exp: experiment.Experiment,
         logging.warning("checkpoint %d is not kept in %s: the gallery has no heatmaps", step,
                         directory)
         return None
-    like = export.abstract_params(exp.model, exp.dataset.meta, exp.max_len)
+    like = exported_model.abstract_params(exp.model, exp.dataset.meta, exp.max_len)
     try:
         _, params = checkpoints.restore_params(workdir, like, step=step)
     except checkpoints.CheckpointError as e:
