@@ -141,6 +141,12 @@ def _run(config: ml_collections.ConfigDict | None, workdir: str) -> str | None:
     if FLAGS.verbose:
         logging.info("config:\n%s", config)
     if FLAGS.mode == "train":
+        # The synthetic set's per-model files (CHEERS' entities, IDC-PCL's hard negatives),
+        # made here when missing: an explicit step of training, not of building a dataset.
+        from data_prep import first_use
+
+        for made in first_use.prepare(config):
+            logging.info("prepared %s", made)
         # The task (captioning, or pretraining for a config with a pretrain block); its
         # train() runs the one loop (loop.run).
         task = pretraining.PretrainTrainer if "pretrain" in config else captioning.Trainer

@@ -3,7 +3,7 @@
     python -m changecap_jax.main --config=configs/cheers.py[:PRESET[/ABLATION]]
 
 CHEERS reads k retrieved change entities per pair. The synthetic presets make them on first
-use (``changecap_jax/data/auto_prep.py``); for a real dataset prepare them once:
+use (``data_prep/first_use.py``); for a real dataset prepare them once:
 
     python -m data_prep.entities --dataset=NAME --data_dir=DIR     # entities.json
     python -m data_prep.retrieval --dataset=NAME --data_dir=DIR    # entity_retrieval/

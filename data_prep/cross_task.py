@@ -5,12 +5,13 @@ CUB-200-2011 ("general image captioning", GIC) and the fine-grained class labels
 ("fine-grained visual classification", FGVC). A.3: each CUB image becomes a pseudo pair (the
 image and an empty second image) with its captions, used by MLM, MVCL (only the real image is
 masked) and FDA (Retrieve and Replace negatives only); NABirds images are paired at random,
-half of the pairs from the same class (:func:`classification_pairs`), for a classification, a
+half of the pairs from the same class, for a classification, a
 contrastive and a same-class matching loss. CUB is used in a first pretraining stage, NABirds
 together with Birds-to-Words in the second, at a batch ratio NABirds : Birds-to-Words = 1:4
-(:func:`mixed_batches`). Pretraining reads a built source through
-``config.pretrain.extra_source.dir`` (``changecap_jax/trainers/pretraining.py``,
-``changecap_jax/data/extra_source.py``, where :func:`classification_pairs` now lives).
+(the pretraining task mixes the batches, ``config.pretrain.extra_source.ratio``). Pretraining
+reads a built source through ``config.pretrain.extra_source.dir``: the one reader of this
+format is ``changecap_jax/data/extra_source.py`` (``open_source``, and ``classification_pairs``
+for the NABirds pairs).
 
     python -m data_prep.cross_task --source=cub --raw_dir=CUB_200_2011 --vocab=vocab.json \\
         --out=DIR (--weights=resnet101.pth | --features_dir=DIR) [--text_dir=text_c10] \\
@@ -45,19 +46,17 @@ grids, one image per example (no before/after pair; streamed, memory-mappable) a
 ``<split>.npz`` with ``image_ids``, ``task`` (N,) ("caption" / "classify"), ``labels`` (N,),
 and for CUB ``caption_ids`` (N, K, L) + ``num_captions`` (N,), for NABirds with a vocabulary
 ``label_text_ids`` (N, L). Token ids are the vocabulary's ``encode`` (``<START>`` ..
-``<END>``, zero-padded; unknown words ``<UNK>``, counted). :func:`load_split` reads a split.
+``<END>``, zero-padded; unknown words ``<UNK>``, counted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import math
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
@@ -69,8 +68,8 @@ from changecap_jax.data.negatives import negatives_path
 from changecap_jax.data.vocab import CaptionError, Vocabulary, log_unknown_words
 from changecap_jax.errors import UserError
 from changecap_jax.io.jsonio import staging_dir
-from changecap_jax.prep import hard_negatives as hn
-from changecap_jax.prep.hard_negatives import HardNegativeError, write_negatives
+from data_prep.methods import negative_mining as hn
+from data_prep.methods.negative_mining import HardNegativeError, write_negatives
 
 FeatureFn = Callable[[Sequence[Path]], np.ndarray]  # image paths -> (N, H, W, C) grids
 SPLIT_FLAGS = {"1": "train", "0": "test"}
@@ -338,100 +337,6 @@ def read_nabirds(raw_dir: str | Path) -> Source[ClassificationExample]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pairs and batch mixing
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_ratio(ratio: tuple[int, int]) -> tuple[int, int]:
-    pairs, extra = ratio
-    if not all(isinstance(n, int) and n >= 0 for n in ratio) or pairs + extra == 0:
-        raise ValueError(f"ratio must be two non-negative integers, not both 0; got {ratio}")
-    return pairs, extra
-
-
-def composition_cycle(batch_size: int, ratio: tuple[int, int] = (4, 1), *,
-                      whole_batches: bool = False) -> tuple[int, int]:
-    """(batches per cycle, extra-source rows per cycle): the shortest run of batches whose
-    rows split exactly at ``ratio`` (pairs : extra)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    pairs, extra = _check_ratio(ratio)
-    unit = pairs + extra
-    if whole_batches:
-        batches = unit // math.gcd(extra, unit)
-        return batches, batches * extra // unit * batch_size
-    batches = unit // math.gcd(batch_size * extra, unit)
-    return batches, batches * batch_size * extra // unit
-
-
-def batch_composition(batch_size: int, ratio: tuple[int, int] = (4, 1), *, seed: int = 0,
-                      whole_batches: bool = False) -> Iterator[tuple[int, int]]:
-    """Endless (pair rows, extra rows) of each pretraining batch of ``batch_size`` rows.
-
-    ``ratio`` is pairs : extra, so the paper's NABirds : Birds-to-Words = 1:4 is ``(4, 1)``.
-    Over every cycle of :func:`composition_cycle` batches the rows split exactly at the
-    ratio; inside a cycle, which batches take a row more (or, with ``whole_batches``, which
-    batches are entirely the extra source) is a seeded permutation, so the sequence is a
-    function of the seed. Batch 20 at (4, 1) is always (16, 4); batch 64 gives four batches
-    (51, 13) and one (52, 12) per 5, in seeded order.
-
-    ``whole_batches`` follows the official bird/ code instead, where each step takes one whole
-    batch of one task (pool mlm 9 : mvm_contrst 1 : fda 2 : nabirds 3, so a NABirds batch 1
-    step in 5). The official code draws every step independently (1:4 in expectation only);
-    here the ratio holds exactly over each cycle.
-    """
-    batches, extra_rows = composition_cycle(batch_size, ratio, whole_batches=whole_batches)
-    return _compositions(batch_size, batches, extra_rows, seed, whole_batches)
-
-
-def _compositions(batch_size: int, batches: int, extra_rows: int, seed: int,
-                  whole_batches: bool) -> Iterator[tuple[int, int]]:
-    rng = np.random.default_rng(seed)
-    while True:
-        if whole_batches:
-            marked = rng.permutation(batches) < extra_rows // batch_size
-            yield from ((0, batch_size) if m else (batch_size, 0) for m in marked)
-        else:
-            base, bumped = divmod(extra_rows, batches)
-            for bump in rng.permutation(batches) < bumped:
-                n_extra = base + int(bump)
-                yield batch_size - n_extra, n_extra
-
-
-P = TypeVar("P")
-X = TypeVar("X")
-
-
-@dataclasses.dataclass(frozen=True)
-class MixedBatch(Generic[P, X]):
-    """One pretraining batch: rows of the difference-captioning pairs and of the extra
-    (cross-task) source, kept apart because each goes through its own losses."""
-
-    pairs: list[P]
-    extra: list[X]
-
-
-def mixed_batches(pair_iter: Iterable[P], extra_iter: Iterable[X], batch_size: int,
-                  ratio: tuple[int, int] = (4, 1), *, seed: int = 0,
-                  whole_batches: bool = False) -> Iterator[MixedBatch[P, X]]:
-    """Batches of ``batch_size`` rows composed by :func:`batch_composition` (same arguments),
-    each source's rows taken in order. Ends when a source cannot fill the next batch (the
-    partial batch is dropped): pass endless iterators to train for a number of steps."""
-    compositions = batch_composition(batch_size, ratio, seed=seed, whole_batches=whole_batches)
-    return _fill(iter(pair_iter), iter(extra_iter), compositions)
-
-
-def _fill(pairs: Iterator[P], extra: Iterator[X],
-          compositions: Iterator[tuple[int, int]]) -> Iterator[MixedBatch[P, X]]:
-    for n_pairs, n_extra in compositions:
-        batch = MixedBatch(list(itertools.islice(pairs, n_pairs)),
-                           list(itertools.islice(extra, n_extra)))
-        if len(batch.pairs) < n_pairs or len(batch.extra) < n_extra:
-            return
-        yield batch
-
-
-# ---------------------------------------------------------------------------------------------
 # Feature functions
 # ---------------------------------------------------------------------------------------------
 
@@ -644,17 +549,6 @@ def build_source(source: Source, feature_fn: FeatureFn, out: str | Path, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
-
-
-def load_split(directory: str | Path, split: str, *, mmap: bool = True) -> dict[str, np.ndarray]:
-    """One split written by :func:`build_source`: the ``.npz`` arrays plus ``features``
-    (memory-mapped unless ``mmap`` is False)."""
-    directory = Path(directory)
-    with np.load(directory / f"{split}.npz", allow_pickle=False) as arrays:
-        out = {k: arrays[k] for k in arrays.files}
-    out["features"] = np.load(directory / f"{split}.features.npy", allow_pickle=False,
-                              mmap_mode="r" if mmap else None)
     return out
 
 

@@ -1,5 +1,5 @@
 """Change-entity extraction for CHEERS (paper §3.1.1), the command; the method is
-``changecap_jax/prep/entities.py``.
+``data_prep/methods/change_entities.py``.
 
     python -m data_prep.entities --data_dir=DIR --dataset=NAME [--variant=V] \\
         [--backend=auto|spacy|rules] [--spacy_model=NAME_OR_PATH]
@@ -20,7 +20,7 @@ from absl import app, flags
 
 from changecap_jax import cli
 from changecap_jax.data import building, datasets
-from changecap_jax.prep import entities as lib
+from data_prep.methods import change_entities as lib
 
 
 def extract_dataset_entities(

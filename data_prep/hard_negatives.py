@@ -1,5 +1,5 @@
 """Hard negative captions for IDC-PCL's FDA pretraining, the command; the construction and the
-file format are ``changecap_jax/prep/hard_negatives.py``.
+file format are ``data_prep/methods/negative_mining.py``.
 
     python -m data_prep.hard_negatives --data_dir=DIR --dataset=NAME [--variant=V] [--seed=0]
         [--out=DIR] [--splits=train,val] [--pos=auto|spacy|lexicon] [--min_df=10]
@@ -18,7 +18,7 @@ from absl import app, flags
 
 from changecap_jax import cli
 from changecap_jax.data import building, datasets, negatives
-from changecap_jax.prep import hard_negatives as lib
+from data_prep.methods import negative_mining as lib
 
 
 def _parse_option(text: str) -> tuple[str, Any]:

@@ -1,5 +1,5 @@
 """Change-entity retrieval for CHEERS (paper §3.1.2, Eq. 1), the command; the method and the
-output format are ``changecap_jax/prep/entity_retrieval.py``.
+output format are ``data_prep/methods/entity_retrieval.py``.
 
     python -m data_prep.retrieval --dataset=NAME [--data_dir=DIR] [--variant=V] \\
         [--backbone=auto|contrastive|clip] [--clip_path=LOCAL_DIR] [--k=3] \\
@@ -20,7 +20,7 @@ from absl import flags
 
 from changecap_jax import compile_cache
 from changecap_jax.data import building, datasets
-from changecap_jax.prep import entity_retrieval as lib
+from data_prep.methods import entity_retrieval as lib
 
 
 def _define_flags(fv: Any) -> None:

@@ -8,14 +8,12 @@ fixture tables, line numbers from searching the written files."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import uuid
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +45,16 @@ NAB_EXPECTED = [(0, 295, "Black-footed Albatross", "black-footed albatross"),
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures in the official layouts
+
+
+def _written_split(directory: Path, split: str, *, mmap: bool = True) -> dict[str, np.ndarray]:
+    """The files of one split as build_source writes them: the ``.npz`` arrays plus
+    ``features`` (the library reads them through extra_source.open_source)."""
+    with np.load(directory / f"{split}.npz", allow_pickle=False) as arrays:
+        out = {k: arrays[k] for k in arrays.files}
+    out["features"] = np.load(directory / f"{split}.features.npy", allow_pickle=False,
+                              mmap_mode="r" if mmap else None)
+    return out
 
 
 def _jpeg(path: Path, seed: int) -> None:
@@ -314,7 +322,7 @@ def test_cub_build_round_trip(tmp_path):
     assert meta["unknown_words"] == 10 * len(test_ids)  # "imageN" in every test caption
     for split in ("train", "test"):
         ids = [n for n, (_, flag) in CUB_IMAGES.items() if flag == (split == "train")]
-        arrays = ct.load_split(out, split)
+        arrays = _written_split(out, split)
         assert list(arrays["image_ids"]) == [str(n) for n in ids]
         assert list(arrays["task"]) == ["caption"] * len(ids)
         assert list(arrays["labels"]) == [CUB_IMAGES[n][0] - 1 for n in ids]
@@ -328,7 +336,7 @@ def test_cub_build_round_trip(tmp_path):
             for got, caption in zip(row, cub_captions(n), strict=True):
                 np.testing.assert_array_equal(got, vocab.encode(caption, longest,
                                                                 allow_unk=True))
-    assert ct.load_split(out, "test")["caption_ids"][0, 0, 1] == UNK_ID
+    assert _written_split(out, "test")["caption_ids"][0, 0, 1] == UNK_ID
 
 
 def test_cub_build_caps_caption_length(tmp_path):
@@ -336,7 +344,7 @@ def test_cub_build_caps_caption_length(tmp_path):
     vocab = Vocabulary.build(c for n in CUB_IMAGES for c in cub_captions(n))
     out = ct.build_source(source, fake_features, tmp_path / "capped", vocab=vocab, max_len=6,
                           progress=False)
-    ids = ct.load_split(out, "train")["caption_ids"]
+    ids = _written_split(out, "train")["caption_ids"]
     assert ids.shape[-1] == 6 == json.loads((out / "meta.json").read_text())["text_length"]
     np.testing.assert_array_equal(ids[0, 0], vocab.encode(cub_captions(1)[0], 6,
                                                           truncate=True))
@@ -355,7 +363,7 @@ def test_nabirds_build_round_trip_with_label_text(tmp_path):
     ids, paths = nabirds_ids(), [e.image_path for e in source.examples]
     for split, flag in (("train", 1), ("test", 0)):
         rows = [n for n, f in enumerate(NAB_SPLIT) if f == flag]
-        arrays = ct.load_split(out, split, mmap=False)
+        arrays = _written_split(out, split, mmap=False)
         assert list(arrays["image_ids"]) == [ids[n] for n in rows]
         assert list(arrays["task"]) == ["classify"] * len(rows)
         assert list(arrays["labels"]) == [source.label_map[NAB_LABELS[n]] for n in rows]
@@ -384,7 +392,7 @@ def test_build_is_atomic_and_checks_its_inputs(tmp_path):
         ct.build_source(source, lambda p: fake_features(p)[:2], tmp_path / "out", batch_size=3,
                         progress=False)
     out = ct.build_source(source, fake_features, tmp_path / "out", progress=False)
-    assert "label_text_ids" not in ct.load_split(out, "train")  # no vocabulary given
+    assert "label_text_ids" not in _written_split(out, "train")  # no vocabulary given
     with pytest.raises(FileExistsError, match="not an empty directory"):
         ct.build_source(source, fake_features, out, progress=False)
     with pytest.raises(ValueError, match="needs a vocabulary"):
@@ -412,7 +420,7 @@ def test_resnet_feature_fn_loads_the_weights_once(tmp_path, monkeypatch):
     assert loads == [(tmp_path / "r101.pth", 4)]
     train = [e.image_path for e in source.split("train")]
     direct = np.stack([f for _, f in extract.extract_features(train, Tiny(), 4)])  # (N, C, H, W)
-    got = ct.load_split(out, "train")["features"]
+    got = _written_split(out, "train")["features"]
     assert got.shape == (6, 2, 3, 3)
     np.testing.assert_allclose(got, direct.transpose(0, 2, 3, 1), rtol=1e-6)
 
@@ -435,7 +443,7 @@ def test_cli_with_precomputed_features(tmp_path):
                           text=True, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "8 images (6 train, 2 test), 4 classes" in done.stdout
-    test = ct.load_split(tmp_path / "out", "test")
+    test = _written_split(tmp_path / "out", "test")
     np.testing.assert_allclose(test["features"],
                                fake_features([e.image_path for e in source.split("test")]),
                                rtol=2e-3)
@@ -461,59 +469,3 @@ def test_classification_pairs_half_same_class():
     assert all(i != j for i, j, _ in pairs)
     np.testing.assert_array_equal(pairs[:, 2], same)
     np.testing.assert_array_equal(pairs, extra_source.classification_pairs(labels, 40, seed=1))
-
-
-@pytest.mark.parametrize("batch_size,ratio,cycle", [(20, (4, 1), 5), (64, (4, 1), 5),
-                                                    (7, (4, 1), 5), (1, (4, 1), 5),
-                                                    (10, (2, 1), 3), (9, (0, 1), 1)])
-def test_batch_composition_exact_ratio_every_cycle(batch_size, ratio, cycle):
-    rows = list(itertools.islice(ct.batch_composition(batch_size, ratio, seed=5), cycle * 40))
-    share = Fraction(ratio[1], sum(ratio))
-    assert all(p + e == batch_size and p >= 0 and e >= 0 for p, e in rows)
-    for end in range(cycle, len(rows) + 1, cycle):
-        extra = sum(e for _, e in rows[:end])
-        assert Fraction(extra, end * batch_size) == share
-    low = int(batch_size * share)  # each batch is as even as possible: floor or ceil
-    assert {e for _, e in rows} <= {low, low + 1}
-    again = list(itertools.islice(ct.batch_composition(batch_size, ratio, seed=5), cycle * 40))
-    assert again == rows
-
-
-def test_batch_composition_order_comes_from_the_seed():
-    def first(seed):
-        return list(itertools.islice(ct.batch_composition(64, (4, 1), seed=seed), 100))
-
-    assert first(0) == first(0)
-    assert first(0) != first(1)
-    assert sorted(first(0)[:5]) == [(51, 13)] * 4 + [(52, 12)]
-
-
-def test_whole_batch_mixing_as_the_official_task_pool():
-    # Official bird/ pool: mlm 9 + mvm_contrst 1 + fda 2 = 12 pair batches : nabirds 3.
-    rows = list(itertools.islice(ct.batch_composition(150, (12, 3), seed=2,
-                                                      whole_batches=True), 500))
-    assert set(rows) == {(150, 0), (0, 150)}
-    for start in range(0, 500, 5):
-        assert [r == (0, 150) for r in rows[start:start + 5]].count(True) == 1
-    assert rows != list(itertools.islice(ct.batch_composition(150, (12, 3), seed=3,
-                                                              whole_batches=True), 500))
-
-
-def test_mixed_batches_take_rows_in_order_and_stop_on_a_short_source():
-    batches = list(ct.mixed_batches(iter(range(10**6)), iter(range(-1, -201, -1)), 64, (4, 1),
-                                    seed=7))
-    # 64 extra rows per 5 batches: 15 batches use 192 of the 200; the 16th would need 12 or 13.
-    assert len(batches) == 15
-    assert all(len(b.pairs) + len(b.extra) == 64 for b in batches)
-    assert [x for b in batches for x in b.extra] == list(range(-1, -193, -1))
-    pairs = [x for b in batches for x in b.pairs]
-    assert pairs == list(range(len(pairs))) and len(pairs) == 15 * 64 - 192
-
-
-@pytest.mark.parametrize("batch_size,ratio", [(8, (0, 0)), (8, (-1, 2)), (8, (1.5, 1)),
-                                              (0, (4, 1))])
-def test_mixing_rejects_bad_arguments_when_called(batch_size, ratio):
-    with pytest.raises(ValueError, match="ratio must be|batch_size must be"):
-        ct.batch_composition(batch_size, ratio)
-    with pytest.raises(ValueError, match="ratio must be|batch_size must be"):
-        ct.mixed_batches([], [], batch_size, ratio)

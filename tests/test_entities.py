@@ -16,7 +16,7 @@ import pytest
 from conftest import SMALL, shared_file
 
 from changecap_jax.data.synthetic import scenes
-from changecap_jax.prep import entities
+from data_prep.methods import change_entities as entities
 
 REPO = Path(__file__).resolve().parents[1]
 

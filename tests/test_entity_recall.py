@@ -1,4 +1,4 @@
-"""Recall@k of retrieved change entities (changecap_jax/prep/entity_recall.py) on hand-made
+"""Recall@k of retrieved change entities (data_prep/entity_recall.py) on hand-made
 cases whose recall is known by construction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from changecap_jax.data.synthetic import scenes
-from changecap_jax.prep import entity_recall as er
+from data_prep import entity_recall as er
 
 
 def obj(size, color, material, shape, x=0.0):

@@ -18,9 +18,10 @@ import pytest
 from conftest import SMALL
 
 from changecap_jax.data import datasets, entity_inputs
-from changecap_jax.prep import entities, entity_retrieval
 from data_prep import entities as entity_lib
 from data_prep import retrieval
+from data_prep.methods import change_entities as entities
+from data_prep.methods import entity_retrieval
 
 # --- Eq. 1
 

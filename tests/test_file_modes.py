@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from changecap_jax.io.jsonio import atomic_write, staging_dir, write_json_atomic
-from changecap_jax.prep import entity_retrieval as retrieval
+from data_prep.methods import entity_retrieval as retrieval
 
 
 @pytest.fixture

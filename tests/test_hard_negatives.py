@@ -1,4 +1,4 @@
-"""IDC-PCL FDA hard negatives (changecap_jax/prep/hard_negatives.py, prep/word_classes.py;
+"""IDC-PCL FDA hard negatives (data_prep/methods/negative_mining.py, data/word_classes.py;
 the command data_prep/hard_negatives.py)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from changecap_jax.data import negatives
+from changecap_jax.data import word_classes as wc
 from changecap_jax.data.synthetic import scenes
 from changecap_jax.data.vocab import tokenize
-from changecap_jax.prep import hard_negatives as hn
-from changecap_jax.prep import word_classes as wc
+from data_prep.methods import negative_mining as hn
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -34,9 +34,9 @@ from changecap_jax.data import datasets, extra_source, negatives, pipeline
 from changecap_jax.io import checkpoints, metric_writer
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining
 from changecap_jax.models.base import INPUTS_FOLD
-from changecap_jax.prep import hard_negatives
 from changecap_jax.trainers import pretraining
 from data_prep import cross_task as ct
+from data_prep.methods import negative_mining
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,8 +72,8 @@ def data(tmp_path_factory):
     source ((2, 2, 16) grids: only the channels must match the model)."""
     root = tmp_path_factory.mktemp("cross_task")
     dataset = datasets.prepare("synthetic", root / "idc", "moderate", SMALL)
-    made = hard_negatives.generate(dataset, seed=0, pos="lexicon", splits=("train",))
-    hard_negatives.write_negatives(made.records["train"],
+    made = negative_mining.generate(dataset, seed=0, pos="lexicon", splits=("train",))
+    negative_mining.write_negatives(made.records["train"],
                                    negatives.negatives_path(dataset.directory, "train"))
     length = dataset.split("train")[0]["change_caption_ids"].shape[-1]
     cub = ct.build_source(ct.read_cub(write_cub_one_colour_per_image(root)), random_grids(GRID),

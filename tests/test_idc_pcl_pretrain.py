@@ -29,8 +29,8 @@ from changecap_jax.data import datasets, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples
 from changecap_jax.io import checkpoints, metric_writer
 from changecap_jax.models import base, idc_pcl, idc_pcl_pretraining
-from changecap_jax.prep import hard_negatives
 from changecap_jax.trainers import pretraining
+from data_prep.methods import negative_mining
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,9 +60,9 @@ def data_dir(tmp_path_factory):
     """The SMALL synthetic set with hard negatives for train and val (not test)."""
     root = tmp_path_factory.mktemp("pretrain_data")
     dataset = datasets.prepare("synthetic", root, "moderate", SMALL)
-    made = hard_negatives.generate(dataset, seed=0, pos="lexicon", splits=("train", "val"))
+    made = negative_mining.generate(dataset, seed=0, pos="lexicon", splits=("train", "val"))
     for split, records in made.records.items():
-        hard_negatives.write_negatives(records, negatives.negatives_path(dataset.directory,
+        negative_mining.write_negatives(records, negatives.negatives_path(dataset.directory,
                                                                          split))
     return str(root)
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from changecap_jax import cpu
-from changecap_jax.decoding import jit
 from changecap_jax.cpu import inference_options
-from changecap_jax.decoding import search
+from changecap_jax.decoding import jit, search
 from tests.test_decoding import MODEL, _features, _random_params
 
 

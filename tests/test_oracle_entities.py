@@ -1,4 +1,4 @@
-"""The oracle retrieval (changecap_jax/prep/oracle_entities.py): the right entities first for
+"""The oracle retrieval (data_prep/oracle_entities.py): the right entities first for
 semantic pairs, everything else as the source retrieval had it, in a linked dataset copy the
 trainer can read."""
 
@@ -15,7 +15,7 @@ from entity_helpers import write_retrieval
 from changecap_jax.data import datasets, entity_inputs
 from changecap_jax.data.synthetic import builder as synthetic_builder
 from changecap_jax.data.synthetic import scenes
-from changecap_jax.prep import entity_recall, oracle_entities
+from data_prep import entity_recall, oracle_entities
 
 
 def test_oracle_ids_put_true_entities_first_in_stored_order():

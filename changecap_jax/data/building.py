@@ -1,7 +1,7 @@
 """One build of a dataset at a time, and no leftovers of interrupted ones.
 
 While a process builds a dataset ``<data_dir>/<tfds name>/<config>/<version>/`` or writes
-per-model files into it (``data/auto_prep.py``), it holds (``fcntl.flock``) a lock file beside
+per-model files into it (``data_prep/first_use.py``), it holds (``fcntl.flock``) a lock file beside
 it, ``<version>.lock``, which holds its pid. The kernel drops the lock when its holder exits,
 however it exits, so a lock is never stale. A second process waits for it, logging "waiting
 for the build of X by pid N", up to a timeout, then stops with a message that says who holds

@@ -4,9 +4,9 @@ A dataset is named in the config (``dataset.name``) and stored by TFDS (ArrayRec
 ``dataset.data_dir`` (default: ``$CHANGECAP_DATA_DIR``, else ``$XDG_CACHE_HOME/changecap_jax``,
 else ``~/.cache/changecap_jax``) as ``<data_dir>/<name>/<variant>/<version>/``. The synthetic
 dataset builds itself the first time a config asks for it (one process at a time:
-``data/building.py``), and so do the per-model files made from it (``data/auto_prep.py``); the
-real datasets
-(:data:`REAL_DATASETS`) are built once from their raw downloads with
+``data/building.py``); the per-model files made from it are made by the training command
+(``data_prep/first_use.py``), and only read here. The real datasets (:data:`REAL_DATASETS`)
+are built once from their raw downloads with
 ``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
 directory (no builder code, and so no torch, is needed to read them). Their variant is the
 feature extraction (e.g. ``layer3``); when ``dataset.variant`` is empty and only one variant
@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from changecap_jax import console
-from changecap_jax.data import auto_prep, building, entity_inputs, schema
+from changecap_jax.data import building, entity_inputs, schema
 from changecap_jax.data.synthetic.builder import SyntheticChange, make_config
 from changecap_jax.data.vocab import Vocabulary
 from changecap_jax.errors import UserError
@@ -56,9 +56,6 @@ class PreparedDataset:
     # Retrieved change entities joined to every record (``with_entities``), or None.
     entities: entity_inputs.EntityInputs | None = None
     entity_count: int = 0
-    # The per-model files a model needs are made on first use (``data/auto_prep.py``): the
-    # self-building synthetic set, unless the config turned building off.
-    auto_prepare: bool = False
 
     def split(self, split: str) -> Any:
         """A random-access data source over one split (``len`` and ``[i]``)."""
@@ -99,9 +96,8 @@ def attach_conditioning(dataset: PreparedDataset,
 
 def with_entities(dataset: PreparedDataset, count: int) -> PreparedDataset:
     """The dataset with its first ``count`` retrieved entities per pair joined to each record
-    (``data/entity_inputs.py``); the synthetic set makes them on first use."""
-    if dataset.auto_prepare and not auto_prep.retrieval_exists(dataset.directory):
-        auto_prep.make_entity_inputs(dataset, count)
+    (``data/entity_inputs.py``); training makes them for the synthetic set
+    (``data_prep/first_use.py``)."""
     inputs = entity_inputs.load(dataset.directory)
     if not 1 <= count <= inputs.k:
         raise entity_inputs.EntityInputError(
@@ -249,7 +245,6 @@ def prepare(
         # A fresh builder reads what was written (maybe by another process, while we waited).
         builder = factory(root, variant or "moderate", options or {})
     prepared = _read_prepared(name, builder, directory)
-    prepared.auto_prepare = can_build
     return prepared
 
 
@@ -288,7 +283,6 @@ def _prepare_remote(name: str, root: paths.AnyPath, variant: str, options: Mappi
             paths.upload(local, remote, describe(builder), last=("dataset_info.json",))
     builder = factory(local_root, variant or "moderate", options)
     prepared = _read_prepared(name, builder, local)
-    prepared.auto_prepare = can_build
     return prepared
 
 

@@ -156,7 +156,8 @@ def load(dataset_directory: str | Path) -> EntityInputs:
         raise EntityInputError(
             f"{meta_path} does not exist: this model reads retrieved change entities; create "
             f"them with python -m data_prep.entities and then python -m data_prep.retrieval "
-            f"for the dataset in {Path(dataset_directory)}")
+            f"for the dataset in {Path(dataset_directory)} (training a synthetic preset with "
+            f"python -m changecap_jax.main makes them on first use)")
     try:
         meta = _check_meta(meta_path, read_json(meta_path, "retrieval meta file"))
     except ValueError as e:  # bad JSON: already names the file

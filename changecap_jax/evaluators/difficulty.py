@@ -17,7 +17,7 @@ DIRL Fig. 4): the measures behind the difficulty-binned evaluation (``common.py`
   area inside it (a single peak cell wholly inside scores 1; a uniform map scores the box's
   share of the image). ``attention_in_box`` is the attention mass inside the box.
 - **Change words**: the first run of object-describing words of the generated caption (size,
-  colour, material, shape and "thing"/"object" words of ``prep/word_classes.py``), i.e. the
+  colour, material, shape and "thing"/"object" words of ``data/word_classes.py``), i.e. the
   subject naming the changed object ("the *small red metal cube* moved"); later runs name
   referents or the new attribute. A caption without such words has no change words and its
   pair is left out of the pointing game (counted).
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from changecap_jax.data.boxes import Box, attention_in_box, cell_fractions, is_box, pointing_score
-from changecap_jax.prep.word_classes import LEXICON
+from changecap_jax.data.word_classes import LEXICON
 
 MEASURE = "viewpoint_iou"
 CHANGE_WORD_CLASSES = ("colour", "size", "material", "shape", "generic")

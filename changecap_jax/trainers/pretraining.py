@@ -97,7 +97,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from changecap_jax import parallel
-from changecap_jax.data import auto_prep, extra_source, negatives, pipeline
+from changecap_jax.data import extra_source, negatives, pipeline
 from changecap_jax.data.pretrain_samples import PairSamples, sample_loader
 from changecap_jax.errors import UserError
 from changecap_jax.io import checkpoints
@@ -396,8 +396,6 @@ class PretrainTrainer(captioning.Trainer):
     def load_negatives(self, split: str) -> dict:
         """(image_id, semantic) -> negatives of ``split``, from the dataset's directory."""
         path = self.negatives_path(split)
-        if not path.exists() and self.dataset.auto_prepare:  # the synthetic set, first use
-            auto_prep.make_hard_negatives(self.dataset)
         if not path.exists():
             raise PretrainError(
                 f"{path} does not exist: the fda task reads each pair's hard negatives from "

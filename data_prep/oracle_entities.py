@@ -1,10 +1,10 @@
 """An oracle retrieval for the synthetic set: CHEERS fed the right change entities.
 
-    python -m changecap_jax.prep.oracle_entities --out_data_dir=DIR [--data_dir=SRC] \\
+    python -m data_prep.oracle_entities --out_data_dir=DIR [--data_dir=SRC] \\
         [--variant=moderate]
 
 CHEERS reads the top-k entities of a retrieval (paper §3.1.2, Eq. 1); on the synthetic set the
-trained retrieval rarely names the changed object (``changecap_jax.prep.entity_recall``:
+trained retrieval rarely names the changed object (``data_prep.entity_recall``:
 recall@3 15.7 % on the test split). This command asks what the model does when the retrieval
 is right. It writes a copy of a prepared synthetic dataset under ``DIR`` (every file a symbolic
 link to the source, except ``entity_retrieval/``) whose retrieval is the source's with one
@@ -32,7 +32,7 @@ import numpy as np
 
 from changecap_jax.data import entity_inputs
 from changecap_jax.io.jsonio import replaced_folder
-from changecap_jax.prep import entity_recall
+from data_prep import entity_recall
 
 ORACLE_BACKBONE = "oracle"
 
@@ -110,7 +110,7 @@ def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     from changecap_jax.data import datasets
 
-    parser = argparse.ArgumentParser(prog="python -m changecap_jax.prep.oracle_entities",
+    parser = argparse.ArgumentParser(prog="python -m data_prep.oracle_entities",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out_data_dir", required=True,
                         help="Root of the copy (pass it as --config.dataset.data_dir).")

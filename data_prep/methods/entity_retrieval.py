@@ -18,7 +18,7 @@ renamed at the end, so a crash never leaves half a result):
   orientation o, ``ids_<o>`` int32 (N, k), ``scores_<o>`` float32 (N, k) and
   ``constrained_<o>`` bool (N, k).
 
-This module is the method, ``data_prep/retrieval.py`` its command (``data/auto_prep.py`` runs
+This module is the method, ``data_prep/retrieval.py`` its command (``data_prep/first_use.py`` runs
 it for the synthetic dataset on first use). ``changecap_jax/data/entity_inputs.py`` reads and
 checks the output (``load_retrieval`` here), for the trainer and for the tests alike.
 
@@ -64,7 +64,7 @@ counted. Printed as a table and kept in meta.json with the chance levels 1/M and
 Measured (default synthetic set, moderate distractors, 1,603 distinct entity strings, exact
 string match, contrastive, signed): test top-1 4.7%, top-3 8.3% (chance 0.06% / 0.19%); on
 builder 2.0.0 3.7% / 8.7%, and 8.3% / 15.7% when any entity that picks out the changed object
-counts (``prep/entity_recall.py``, docs/ablations.md "CHEERS, measured piece by piece"). The
+counts (``data_prep/entity_recall.py``, docs/ablations.md "CHEERS, measured piece by piece"). The
 grid features make the changed object hard to read from one pooled image (a linear probe on
 pooled before-after features names its colour in 35% of the test pairs); the paraphrased
 references (5.5 distinct entity strings per pair) cap the exact-string accuracy further.
@@ -85,7 +85,7 @@ import numpy as np
 from changecap_jax import console
 from changecap_jax.data import entity_inputs, image_files
 from changecap_jax.io.jsonio import atomic_write, replaced_folder
-from changecap_jax.prep import entities as entity_lib
+from data_prep.methods import change_entities as entity_lib
 
 FORMAT = entity_inputs.FORMAT
 RETRIEVAL_DIR = entity_inputs.RETRIEVAL_DIR

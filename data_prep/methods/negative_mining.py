@@ -4,8 +4,8 @@
         [--out=DIR] [--splits=train,val] [--pos=auto|spacy|lexicon] [--min_df=10]
         [--option=num_train=40 ...]   (synthetic only: the options it was built with)
 
-(the command of ``data_prep/hard_negatives.py``; ``data/auto_prep.py`` runs it for the synthetic
-dataset on first use).
+(the command of ``data_prep/hard_negatives.py``; ``data_prep/first_use.py`` runs it for the
+synthetic dataset on first use).
 
 IDC-PCL (Yao et al., AAAI 2022, §2.2 and appendix A.2) contrasts each image pair with its
 caption and 6 rewritten captions, 2 of each kind: Retrieve, Replace, Confuse. The authors
@@ -35,7 +35,7 @@ caption of another pair that paraphrases this pair's change is not detected; the
 retrieval has the same blind spot.)
 
 **Replace**: a reference of the pair (drawn at random) is rewritten: its words that have a
-replaceable class with a word of another sense available (``prep/word_classes.py``:
+replaceable class with a word of another sense available (``data/word_classes.py``:
 colour, size, material, shape, side, and with spaCy the noun/adjective tags) are ranked by TF-IDF
 weight in the caption (ties: earlier first); the top ceil(50 %) are each replaced by a word of
 the same class and another sense (uniform over the other senses, then over their words), so
@@ -102,10 +102,10 @@ from typing import Any
 import numpy as np
 
 from changecap_jax import console
+from changecap_jax.data import word_classes as wc
 from changecap_jax.data.vocab import CaptionError
 from changecap_jax.errors import UserError
 from changecap_jax.io.jsonio import atomic_write
-from changecap_jax.prep import word_classes as wc
 
 NUM_PER_KIND = 2
 DEFAULT_SEED = 0

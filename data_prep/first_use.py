@@ -1,13 +1,16 @@
-"""First-use preparation of the per-model files of the built-in synthetic dataset.
+"""The per-model files of the built-in synthetic dataset, made when training asks for them.
 
 CHEERS reads retrieved change entities (``entities.json``, ``entity_retrieval/``) and IDC-PCL's
 FDA pretraining reads hard negatives (``<split>_neg_tfidf6.json``), beside the dataset. For a
 real dataset a person makes them with the commands (``python -m data_prep.entities``,
 ``data_prep.retrieval``, ``data_prep.hard_negatives``), which take choices (a CLIP checkpoint,
-a spaCy pipeline); for the synthetic set nothing needs deciding, so a trainer that finds them
-missing makes them here: the commands' functions with the commands' defaults, so the files are
-the ones the commands would write (``tests/test_auto_prep.py`` compares them), with the same
-progress bars and summaries (logged).
+a spaCy pipeline); for the synthetic set nothing needs deciding, so the training command
+(``changecap_jax/main.py``) calls :func:`prepare` before it builds the run, and the missing
+files are made here: the commands' functions with the commands' defaults, so the files are the
+ones the commands would write (``tests/test_first_use.py`` compares them), with the same
+progress bars and summaries (logged). Nothing else prepares: the library only reads these
+files, and a command that finds them missing (export, report, evaluation) says which command
+makes them.
 
 Each runs holding the dataset's lock (``data/building.py``), as the commands do: a second
 process waits, then uses the result. Files are written atomically (a temp file or folder renamed
@@ -21,9 +24,37 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from changecap_jax.data import building, entity_inputs, negatives
-from changecap_jax.prep import entities, entity_retrieval
-from changecap_jax.prep import hard_negatives as hn
+import ml_collections
+
+from changecap_jax import models
+from changecap_jax.data import building, datasets, entity_inputs, negatives
+from changecap_jax.models.base import conditioning_shapes
+from data_prep.methods import change_entities as entities
+from data_prep.methods import entity_retrieval
+from data_prep.methods import negative_mining as hn
+
+
+def prepare(config: ml_collections.ConfigDict) -> list[str]:
+    """Makes the files the config's model or task reads beside the built-in synthetic set when
+    they are missing (retrieved entities for a model with an ``entities`` input; hard
+    negatives for pretraining with the ``fda`` task); returns what it made. Other datasets,
+    and a synthetic config with ``dataset.build_if_missing=False``, are left as they are (the
+    run then reads the files or stops naming the command that makes them)."""
+    ds = config.dataset
+    if ds.name != "synthetic" or not ds.get("build_if_missing", True):
+        return []
+    dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
+                               build_if_missing=True)
+    if "pretrain" in config:
+        fda = "fda" in tuple(config.pretrain.get("tasks", ()))
+        return [str(p) for p in make_hard_negatives(dataset)] if fda else []
+    max_len = config.decode.max_len or dataset.meta.max_caption_len
+    model = models.build(config.model, vocab_size=len(dataset.vocab), max_len=max_len)
+    shapes = conditioning_shapes(model)
+    if "entities" not in shapes or retrieval_exists(dataset.directory):
+        return []
+    make_entity_inputs(dataset, shapes["entities"][0])
+    return [str(dataset.directory / entity_inputs.RETRIEVAL_DIR)]
 
 
 def _remove_temp_files(directory: Path, names: list[str], what: str) -> None:

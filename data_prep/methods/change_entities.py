@@ -9,8 +9,9 @@ elsewhere.
     python -m data_prep.entities --data_dir=DIR --dataset=NAME [--variant=V] \\
         [--backend=auto|spacy|rules] [--spacy_model=NAME_OR_PATH]
 
-(the command of ``data_prep/entities.py``; for the synthetic dataset ``data/auto_prep.py``
-runs it on first use) reads the train split of a built dataset (``data_prep.build``),
+(the command of ``data_prep/entities.py``; for the synthetic dataset training runs it on
+first use, ``data_prep/first_use.py``) reads the train split of a built dataset
+(``data_prep.build``),
 extracts entities from its change captions and writes ``<dataset directory>/entities.json``
 (atomically). Only the change captions are used: paper §3.1.1 defines an entity as what a caption
 says has changed, and a no-change caption ("the two scenes seem identical") names none; its

@@ -1,6 +1,6 @@
 """Recall@k of the retrieved change entities on the synthetic set (docs/models.md, CHEERS).
 
-    python -m changecap_jax.prep.entity_recall [--data_dir=DIR] [--variant=moderate] \\
+    python -m data_prep.entity_recall [--data_dir=DIR] [--variant=moderate] \\
         [--splits=test,train] [--ks=1,3,5,10] [--json=OUT.json]
 
 CHEERS (paper §3.1.2, Eq. 1) reads the top-k entities that ``data_prep.retrieval`` ranks for a
@@ -223,8 +223,8 @@ def measure(dataset: Any, splits: Sequence[str], ks: Sequence[int]) -> dict[str,
     settings, to max(ks) entities) and measures them (:func:`split_recall`)."""
     from changecap_jax.data import entity_inputs
     from changecap_jax.data.synthetic import builder as synthetic_builder
-    from changecap_jax.prep import entities as entity_lib
-    from changecap_jax.prep import entity_retrieval as er
+    from data_prep.methods import change_entities as entity_lib
+    from data_prep.methods import entity_retrieval as er
 
     meta = json.loads((dataset.directory / er.RETRIEVAL_DIR / "meta.json").read_text())
     stored = entity_inputs.load(dataset.directory)
@@ -301,7 +301,7 @@ def format_results(results: Mapping[str, Any], ks: Sequence[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from changecap_jax.data import datasets
 
-    parser = argparse.ArgumentParser(prog="python -m changecap_jax.prep.entity_recall",
+    parser = argparse.ArgumentParser(prog="python -m data_prep.entity_recall",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=None)
     parser.add_argument("--variant", default="")

@@ -1,6 +1,6 @@
 """Word classes for rewriting captions: which words may be swapped for which.
 
-IDC-PCL's "Replace" and "Confuse" hard negatives (``prep/hard_negatives.py``) need to
+IDC-PCL's "Replace" and "Confuse" hard negatives (``data_prep/methods/negative_mining.py``) need to
 know, for a caption word, its class (a replacement must come from the same class) and its
 *sense* (a replacement must mean something else: "tiny" for "small" is a paraphrase, not a
 negative). The paper tags nouns and adjectives with Stanford CoreNLP; we build the classes

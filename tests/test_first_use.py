@@ -1,6 +1,7 @@
-"""First-use preparation of the synthetic set's per-model files (changecap_jax/data/auto_prep.py):
-on a fresh cache the CHEERS trainer and IDC-PCL pretraining need no other command, the files
-they make are the ones the commands write, and an interrupted preparation leaves no file."""
+"""First-use preparation of the synthetic set's per-model files (data_prep/first_use.py): on a
+fresh cache the step training asks for makes what the CHEERS model and IDC-PCL pretraining
+read, building the dataset alone makes nothing (a missing file is named with its command), the
+files are the ones the commands write, and an interrupted preparation leaves no file."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 from train_helpers import SMALL, tiny_run
 
-from changecap_jax import parallel
-from changecap_jax.data import auto_prep, entity_inputs, negatives
+from changecap_jax import experiment, parallel
+from changecap_jax.data import datasets, entity_inputs, negatives
 from changecap_jax.trainers import captioning, pretraining
+from data_prep import first_use
 from data_prep import retrieval as retrieval_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,22 +32,49 @@ OPTIONS = [f"--option={flag[2:]}" for flag in FLAGS]  # data_prep.hard_negatives
 SPLITS = ("train", "val", "test")
 
 
-@pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
-    """A fresh data dir where only the two trainers were constructed."""
-    root = tmp_path_factory.mktemp("fresh")
+def _cheers_config(root: Path):
     config = tiny_run(cheers.get_config("synthetic"), str(root))
     config.model.update(hidden_dim=16, num_heads=2, word_dim=8, ffn_dim=32, hrd_layers=1,
                         decoder_layers=1)  # entity_dim stays the retrieval's 64
-    cheers_trainer = captioning.Trainer(config, tmp_path_factory.mktemp("cheers"),
-                                   mesh=parallel.make_mesh(1))
+    return config
+
+
+def _pretrain_config(root: Path):
     config = tiny_run(idc_config.get_config("pretrain"), str(root), batch_size=8)
     config.model.update(hidden_dim=16, num_heads=2, ffn_dim=32, cross_layers=1,
                         image_dim=SMALL["feature_shape"][-1])
     config.pretrain.update(fda_batch_size=8, val_batches=1)
-    pretrainer = pretraining.PretrainTrainer(config, tmp_path_factory.mktemp("pretrain"),
-                                          mesh=parallel.make_mesh(1))
+    return config
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """A fresh data dir prepared for the two trainers (the training command's step), and the
+    two trainers constructed on it."""
+    root = tmp_path_factory.mktemp("fresh")
+    made = first_use.prepare(_cheers_config(root)) + first_use.prepare(_pretrain_config(root))
+    cheers_trainer = captioning.Trainer(_cheers_config(root), tmp_path_factory.mktemp("cheers"),
+                                        mesh=parallel.make_mesh(1))
+    pretrainer = pretraining.PretrainTrainer(_pretrain_config(root),
+                                             tmp_path_factory.mktemp("pretrain"),
+                                             mesh=parallel.make_mesh(1))
+    assert made == [str(cheers_trainer.dataset.directory / entity_inputs.RETRIEVAL_DIR),
+                    *(str(negatives.negatives_path(cheers_trainer.dataset.directory, s))
+                      for s in SPLITS)]
+    assert first_use.prepare(_cheers_config(root)) == []  # made once
     return root, cheers_trainer, pretrainer
+
+
+def test_building_the_run_prepares_nothing(tmp_path):
+    """Only the training command's step prepares: building CHEERS' run on a fresh cache (what
+    export, report and evaluation do) stops in one line naming the commands."""
+    with pytest.raises(datasets.DatasetError,
+                       match=r"python -m data_prep\.entities and then python -m "
+                             r"data_prep\.retrieval .*makes them on first use"):
+        experiment.build(_cheers_config(tmp_path), mesh=parallel.make_mesh(1))
+    directory = next(tmp_path.glob("synthetic_change/*/*"))
+    assert not (directory / "entities.json").exists()
+    assert not (directory / entity_inputs.RETRIEVAL_DIR).exists()
 
 
 def _files(directory: Path) -> dict[str, Path]:
@@ -124,11 +153,11 @@ def test_an_interrupted_preparation_leaves_no_file(fresh, monkeypatch):
 
     monkeypatch.setattr(json, "dumps", interrupted)
     with pytest.raises(KeyboardInterrupt) as interruption:
-        auto_prep.make_hard_negatives(dataset)
+        first_use.make_hard_negatives(dataset)
     monkeypatch.undo()
     assert any(entry.name == "write_negatives" for entry in interruption.traceback)
     assert not any(p.exists() for p in paths)
     assert not list(dataset.directory.glob(".*"))  # no temp file either
-    assert auto_prep.make_hard_negatives(dataset) == [
+    assert first_use.make_hard_negatives(dataset) == [
         negatives.negatives_path(dataset.directory, s) for s in dataset.builder.info.splits]
     assert {path: path.read_bytes() for path in paths} == kept
