@@ -130,15 +130,32 @@ def test_a_symbolically_zero_cotangent_gives_no_gradients():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU lowering")
-def test_without_the_cpu_tunings_the_gradient_is_xla_folded_product(monkeypatch):
+def test_without_the_cpu_tunings_the_gradient_is_xla_folded_product():
     """Code that uses the library without the command line (cpu.enable) gets XLA's own form."""
     from changecap_jax import cpu
 
-    monkeypatch.setattr(cpu, "_enabled", False)
     x, _ = _inputs(50, 96, 32)
     g = jnp.ones((2, 50, 32))
-    dots = _dots(lambda x, g: kernel_gradient(x, g), x, g)
+    cpu.enable(False)
+    try:
+        dots = _dots(lambda x, g: kernel_gradient(x, g), x, g)
+    finally:
+        cpu.enable()  # tests/conftest.py's setting, as cli.run's
     assert len(dots) == 1 and _transposed_lhs(dots[0]), dots
+    # and switched back on, the same layer lowers to the plain product again
+    dots = _dots(lambda x, g: kernel_gradient(x, g), x, g)
+    assert len(dots) == 1 and not _transposed_lhs(dots[0]), dots
+
+
+def test_under_vmap_each_member_gets_its_own_kernel_gradient():
+    x, kernel = _inputs(7, 6, 5)
+    g = jnp.asarray(np.random.default_rng(1).standard_normal((2, 7, 5)), jnp.float32)
+    batched = jax.jit(jax.vmap(kernel_gradient))(x, g)
+    for b in range(2):
+        np.testing.assert_allclose(batched[b], x[b].T @ g[b], rtol=1e-5, atol=1e-5)
+    # one operand shared by the members
+    shared = jax.vmap(kernel_gradient, in_axes=(None, 0))(x[0], g)
+    np.testing.assert_allclose(shared[1], x[0].T @ g[1], rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_and_tpu_lowerings_keep_the_folded_product():

@@ -15,8 +15,8 @@ the library directly gets XLA's defaults unless it calls :func:`enable` itself. 
 itself off where JAX computes on an accelerator: the platform default where a GPU or TPU
 device is present, the allocator when a GPU or TPU platform is configured or installed, the
 compile options when the default backend is not the CPU or the program is lowered inside
-another one (an export for GPU/TPU), the kernel-gradient form through
-``jax.lax.platform_dependent`` (GPU and TPU lowerings keep the folded product).
+another one (an export for GPU/TPU), the kernel-gradient form by being the CPU lowering of its
+primitive only (GPU and TPU lowerings keep the folded product).
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ _enabled = False
 
 
 def enable(on: bool = True) -> None:
-    """Turns the compile-time CPU tunings on (or off) for programs traced from now on."""
+    """Turns the compile-time CPU tunings on (or off) for programs lowered from now on: the
+    inference compile options, and the kernel gradient's CPU lowering."""
+    from changecap_jax.cpu import kernel_gradient
+
     global _enabled
     _enabled = bool(on)
+    kernel_gradient.use_plain_product(_enabled)
 
 
 def enabled() -> bool:

@@ -1,8 +1,8 @@
 """``x @ kernel`` with a custom gradient: the kernel gradient (the sum over tokens of
-``x_t^T g_t``) is computed in :mod:`changecap_jax.cpu.kernel_gradient`'s form when the program
-is lowered for the CPU with the CPU tunings on (the command line turns them on), and as XLA's
-folded ``dot(x.T, g)`` everywhere else. Gradients of inputs nothing differentiates (image
-features) and of frozen kernels are not traced at all.
+``x_t^T g_t``) is one primitive, whose lowering picks the form: XLA's folded ``dot(x.T, g)``,
+or on the CPU the plain product the command line registers with the other CPU tunings
+(:mod:`changecap_jax.cpu.kernel_gradient`). The layer reads no setting. Gradients of inputs
+nothing differentiates (image features) and of frozen kernels are not traced at all.
 """
 
 from __future__ import annotations
@@ -13,24 +13,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from changecap_jax import cpu
-from changecap_jax.cpu.kernel_gradient import plain_product_kernel_gradient
+from changecap_jax.cpu.kernel_gradient import dense_kernel_gradient
 
 Array = jax.Array
 
 
-def _kernel_gradient_folded(x: Array, g: Array) -> Array:
-    return jnp.dot(x.T, g)
-
-
 def kernel_gradient(x: Array, g: Array) -> Array:
     """sum over tokens of x_t^T g_t for x (..., in), g (..., out) -> (in, out)."""
-    x = x.reshape(-1, x.shape[-1])
-    g = g.reshape(-1, g.shape[-1])
-    if not cpu.enabled():
-        return _kernel_gradient_folded(x, g)
-    return jax.lax.platform_dependent(
-        x, g, cpu=plain_product_kernel_gradient, default=_kernel_gradient_folded)
+    return dense_kernel_gradient(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
 
 
 @jax.custom_vjp

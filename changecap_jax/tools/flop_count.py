@@ -3,9 +3,10 @@
 XLA's ``cost_analysis()`` counts the body of a while loop once, whatever its trip count, so a
 step whose heavy work runs inside ``jax.lax.map`` / ``scan`` (SCORER's chunked batch-wide
 matching: 8 chunks at batch 64) is undercounted several times over. This module walks the
-jaxpr instead and counts the multiply-adds of every ``dot_general`` and convolution, times
-the trip count of each enclosing ``scan``. Element-wise work is not counted (XLA counts it), so
-for a program without loops this count is a little below XLA's.
+jaxpr instead and counts the multiply-adds of every ``dot_general``, convolution and dense
+kernel gradient (``cpu/kernel_gradient.py``'s primitive), times the trip count of each
+enclosing ``scan``. Element-wise work is not counted (XLA counts it), so for a program without
+loops this count is a little below XLA's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 from jax.extend import core as jex_core
+
+from changecap_jax.cpu.kernel_gradient import kernel_gradient_p
 
 
 class DotFlops(NamedTuple):
@@ -58,6 +61,10 @@ def _count(jaxpr: Any) -> DotFlops:
             continue
         if name == "conv_general_dilated":
             flops += _conv_flops(eqn)
+            continue
+        if eqn.primitive is kernel_gradient_p:  # a dense layer's x^T g: (T, I) x (T, O)
+            (tokens, fan_in), (_, fan_out) = (v.aval.shape for v in eqn.invars)
+            flops += 2.0 * tokens * fan_in * fan_out
             continue
         inner = [_count(j) for v in eqn.params.values() for j in _subjaxprs(v)]
         if not inner:
