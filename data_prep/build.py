@@ -71,7 +71,10 @@ flags.DEFINE_float("wait", datasets.building.WAIT_S, "Seconds to wait for anothe
 def build_real(name: str) -> datasets.PreparedDataset:
     if not FLAGS.raw_dir:
         raise app.UsageError(f"building {name} needs --raw_dir (its raw download)")
-    cls = builders.builder_class(name)
+    try:
+        cls = builders.builder_class(name)
+    except KeyError as e:
+        raise app.UsageError(str(e.args[0])) from None
     layer = FLAGS.layer or cls.DEFAULT_LAYER
     config = make_config(layer, FLAGS.feature_dtype or "float32", FLAGS.std_fix,
                          FLAGS.max_caption_len)
@@ -91,7 +94,7 @@ def build_real(name: str) -> datasets.PreparedDataset:
         local = Path(builder.data_dir)
         paths.upload(local, paths.path(root) / local.relative_to(local_root).as_posix(),
                      datasets.describe(builder), last=("dataset_info.json",))
-    return datasets.prepare(name, root, config.name)
+    return datasets.prepare(builder.name, root, config.name)
 
 
 def build_synthetic() -> datasets.PreparedDataset:
@@ -112,17 +115,19 @@ def build_synthetic() -> datasets.PreparedDataset:
 
 
 def main(argv: list[str]) -> None:
-    known = ["synthetic", *datasets.REAL_DATASETS]
-    if len(argv) != 2 or argv[1] not in known:
+    known = ["synthetic", *builders.BUILDERS]
+    if len(argv) != 2 or (argv[1] not in known and ":" not in argv[1]):
         raise app.UsageError(
-            f"usage: python -m data_prep.build DATASET [flags]; DATASET one of {known}")
+            f"usage: python -m data_prep.build DATASET [flags]; DATASET one of {known}, or a "
+            "builder of your own as package.module:ClassName (docs/adding_a_dataset.md)")
     name = argv[1]
     try:
         prepared = build_synthetic() if name == "synthetic" else build_real(name)
     except KeyboardInterrupt:
         sys.exit("interrupted: nothing was written (the build's temporary folder is removed)")
     meta = prepared.meta
-    print(f"dataset {name} ({prepared.directory.parent.name}) ready in {prepared.directory}")
+    print(f"dataset {prepared.name} ({prepared.directory.parent.name}) ready in "
+          f"{prepared.directory}")
     print(f"  splits: {meta.split_sizes}; features {meta.feature_shape} {meta.feature_dtype}; "
           f"vocabulary {len(prepared.vocab)} words; captions <= {meta.max_caption_len}")
     for reason, n in sorted(meta.skipped.items()):

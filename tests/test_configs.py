@@ -7,13 +7,13 @@ import importlib
 import pytest
 
 from changecap_jax import models
-from changecap_jax.data import datasets
+from data_prep import builders
 
 CONFIGS = ("dirl", "scorer", "subtraction")
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)
-@pytest.mark.parametrize("preset", sorted(datasets.REAL_DATASETS))
+@pytest.mark.parametrize("preset", sorted(builders.BUILDERS))
 def test_paper_presets_select_their_dataset(config_name, preset):
     module = importlib.import_module(f"configs.{config_name}")
     config = module.get_config(preset)

@@ -293,7 +293,9 @@ def test_missing_data_dir_is_named(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(datasets.DatasetError, match=f"data dir {missing} does not exist"):
         datasets.prepare("synthetic", missing, build_if_missing=False)
-    with pytest.raises(datasets.DatasetError, match="unknown dataset 'clevr'"):
+    with pytest.raises(datasets.DatasetError, match=r"dataset 'clevr' is not built in .*datasets "
+                                                    r"built there: none; built on first use: "
+                                                    r"\['synthetic'\]"):
         datasets.prepare("clevr", tmp_path)
 
 

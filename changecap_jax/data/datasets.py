@@ -5,8 +5,9 @@ A dataset is named in the config (``dataset.name``) and stored by TFDS (ArrayRec
 else ``~/.cache/changecap_jax``) as ``<data_dir>/<name>/<variant>/<version>/``. The synthetic
 dataset builds itself the first time a config asks for it (one process at a time:
 ``data/building.py``); the per-model files made from it are made by the training command
-(``data_prep/first_use.py``), and only read here. The real datasets (:data:`REAL_DATASETS`)
-are built once from their raw downloads with
+(``data_prep/first_use.py``), and only read here. Every other name is a dataset built once
+from its raw download (the builders of ``data_prep/builders/``, where each name is registered)
+with
 ``python -m data_prep.build NAME --raw_dir=... --data_dir=...`` and read here from their
 directory (no builder code, and so no torch, is needed to read them). Their variant is the
 feature extraction (e.g. ``layer3``); when ``dataset.variant`` is empty and only one variant
@@ -141,14 +142,6 @@ def _synthetic_builder(data_dir: Path, variant: str, options: Mapping[str, Any])
 # name -> (builder factory, builds itself when missing)
 BUILDERS = {"synthetic": (_synthetic_builder, True)}
 
-# Built by data_prep.build from raw downloads; name -> what it is.
-REAL_DATASETS = {
-    "clevr_change": "CLEVR-Change (Park et al., ICCV 2019)",
-    "clevr_dc": "CLEVR-DC (Kim et al., ICCV 2021)",
-    "spot_the_diff": "Spot-the-Diff (Jhamtani & Berg-Kirkpatrick, EMNLP 2018)",
-    "image_editing_request": "Image Editing Request (Tan et al., ACL 2019)",
-    "birds_to_words": "Birds-to-Words (Forbes et al., EMNLP 2019)",
-}
 
 
 def _version_key(path: Path) -> tuple[int, ...]:
@@ -178,8 +171,12 @@ def _real_directory(name: str, root: paths.AnyPath, variant: str) -> paths.AnyPa
            f"--data_dir={root} (see docs/datasets.md)")
     variants = built_variants(root, name)
     if not variants:
+        built = sorted(p.name for p in root.iterdir()
+                       if p.is_dir() and built_variants(root, p.name)) if root.is_dir() else []
         raise DatasetError(f"dataset {name!r} is not built in {root} (no "
-                           f"{root / name}/<variant>/<version>/dataset_info.json); {how}")
+                           f"{root / name}/<variant>/<version>/dataset_info.json; datasets "
+                           f"built there: {built or 'none'}; built on first use: "
+                           f"{sorted(BUILDERS)}); {how}")
     if variant:
         if variant not in variants:
             raise DatasetError(f"dataset {name!r} has no variant {variant!r} in {root / name}; "
@@ -214,13 +211,10 @@ def prepare(
     ``wait_s``: how long to wait for another process building the same dataset."""
     explicit_dir = data_dir not in (None, "")
     root = paths.path(data_dir) if explicit_dir else default_data_dir()
-    if name not in BUILDERS and name not in REAL_DATASETS:
-        raise DatasetError(f"unknown dataset {name!r}; known datasets: "
-                           f"{sorted([*BUILDERS, *REAL_DATASETS])}")
     if paths.is_remote(root):
         return _prepare_remote(name, root, variant, options or {},
                                build_if_missing=build_if_missing, wait_s=wait_s)
-    if name in REAL_DATASETS:
+    if name not in BUILDERS:
         return _open_real(name, _real_directory(name, root, variant))
     factory, self_building = BUILDERS[name]
     can_build = self_building and build_if_missing
@@ -257,7 +251,7 @@ def _prepare_remote(name: str, root: paths.AnyPath, variant: str, options: Mappi
     dataset missing from the bucket is built locally and uploaded, dataset_info.json last (the
     file that says a dataset is complete)."""
     local_root = paths.local_mirror_dir(root)
-    if name in REAL_DATASETS:
+    if name not in BUILDERS:
         remote = _real_directory(name, root, variant)
         local = local_root / os.fspath(remote)[len(os.fspath(root)):].strip("/")
         _mirror_dataset(remote, local, name, wait_s)

@@ -281,8 +281,21 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
         return f"from {self.raw_dir}, {source}"
 
     @property
+    def feature_chw(self) -> tuple[int, int, int]:
+        """(C, H, W) of one image's features, as the per-image ``.npy`` files hold them: the
+        ResNet-101 cut of the variant (a builder with features of its own overrides this)."""
+        return FEATURE_SHAPES[self.builder_config.layer]
+
+    @property
+    def extractor_name(self) -> str:
+        """What made the features (``meta.json``'s ``extractor``; ``predict`` extracts new
+        images the same way when it knows the name)."""
+        cfg: PairsConfig = self.builder_config
+        return f"resnet101_layer{cfg.layer}" + ("_stdfix" if cfg.std_fix else "")
+
+    @property
     def feature_shape(self) -> tuple[int, int, int]:
-        c, h, w = FEATURE_SHAPES[self.builder_config.layer]
+        c, h, w = self.feature_chw
         return (h, w, c)
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -329,12 +342,12 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
                             "<END>", self.name, cut, max_len)
         data_dir = Path(self.data_dir)  # TFDS's temporary directory during the build
         vocab.save(data_dir / schema.VOCAB_FILE)
-        c, h, w = FEATURE_SHAPES[cfg.layer]
+        c, h, w = self.feature_chw
         schema.DatasetMeta(
             feature_shape=(h, w, c), max_caption_len=max_len,
             change_types=list(ann.change_types), has_distractor=self.HAS_DISTRACTOR,
             raw_dir=str(self.raw_dir.resolve()),
-            extractor=f"resnet101_layer{cfg.layer}" + ("_stdfix" if cfg.std_fix else ""),
+            extractor=self.extractor_name,
             split_sizes={k: len(v) for k, v in ann.splits.items()},
             tokenizer=self.TOKENIZER, main_metrics=list(self.MAIN_METRICS),
             protocol=self.PROTOCOL, skipped=dict(ann.skipped), feature_dtype=cfg.feature_dtype,
@@ -360,7 +373,7 @@ class PairDatasetBuilder(schema.RecordBuilder, skip_registration=True):
     def _feature_loader(self) -> Callable[[list[str]], dict[str, np.ndarray]]:
         """image paths (relative) -> (H, W, C) features, by file or by extraction."""
         cfg: PairsConfig = self.builder_config
-        chw = FEATURE_SHAPES[cfg.layer]
+        chw = self.feature_chw
         if self.features_dir is not None:
             def from_files(rels: list[str]) -> dict[str, np.ndarray]:
                 out = {}
