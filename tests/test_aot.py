@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from changecap_jax.tools import aot, aot_programs, aot_table, gpu_specs, interconnect, tpu_specs
+from changecap_jax.commands import aot, aot_programs, aot_table, gpu_specs, interconnect, tpu_specs
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from changecap_jax import models
-from changecap_jax.tools import synthetic_inputs as si
+from changecap_jax.commands import synthetic_inputs as si
 
 # config module -> the per-image modules (paths) that must run once per image.
 PER_IMAGE = {

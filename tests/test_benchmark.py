@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from changecap_jax import models
+from changecap_jax.commands import benchmark, flop_count
+from changecap_jax.commands import synthetic_inputs as si
 from changecap_jax.cpu import allocator
 from changecap_jax.data.vocab import END_ID, START_ID
-from changecap_jax.tools import benchmark, flop_count
-from changecap_jax.tools import synthetic_inputs as si
 from configs import cheers, idc_pcl, subtraction
 
 REPO = Path(__file__).resolve().parents[1]

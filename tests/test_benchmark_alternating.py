@@ -1,10 +1,10 @@
-"""changecap_jax/tools/benchmark_alternating.py: the alternating timing both comparisons share."""
+"""benchmarks/alternating.py: the alternating timing both comparisons share."""
 
 from types import SimpleNamespace
 
 import numpy as np
 
-from changecap_jax.tools.benchmark_alternating import alternate_with_jax_step
+from benchmarks.alternating import alternate_with_jax_step
 
 
 def test_alternates_cycles_the_batches_and_threads_the_donated_state():
@@ -25,7 +25,7 @@ def test_alternates_cycles_the_batches_and_threads_the_donated_state():
 
 
 def test_medians_are_of_each_side_s_own_times(monkeypatch):
-    from changecap_jax.tools import benchmark_alternating
+    from benchmarks import alternating as benchmark_alternating
 
     times = iter([1.0, 5.0, 3.0, 7.0, 2.0, 6.0])  # jax, other, jax, other, ...
     monkeypatch.setattr(benchmark_alternating, "timed", lambda fn: (fn(), next(times))[1])

@@ -1,7 +1,8 @@
-"""``benchmark --compare_official``: the official training iteration timed beside the jitted
-step, against the stand-in for the official checkouts that tests/test_reproduce.py uses (the
+"""``python -m benchmarks.vs_pytorch --official``: the official training iteration timed
+beside the jitted step, against the stand-in for the official checkouts that
+tests/test_reproduce.py uses (the
 project's torch reference laid out as tuyunbin/DIRL and tuyunbin/SCORER,
-tests/torch_reference/official_layout.py), at tiny sizes. With CHANGECAP_OFFICIAL_DIRL /
+tests/torch_helpers/official_layout.py), at tiny sizes. With CHANGECAP_OFFICIAL_DIRL /
 CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the benchmark runs against them too.
 
 Checked: the timing and report (our ``configs`` package survives the import), that one timed
@@ -19,10 +20,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_reference import official_layout  # noqa: E402
+from torch_helpers import official_layout  # noqa: E402
 
-from changecap_jax.tools import benchmark, benchmark_official  # noqa: E402
-from changecap_jax.tools import synthetic_inputs as si  # noqa: E402
+from benchmarks import official_step as benchmark_official  # noqa: E402
+from changecap_jax.commands import benchmark  # noqa: E402
+from changecap_jax.commands import synthetic_inputs as si  # noqa: E402
 from changecap_jax.tools.reproduce import official, run  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -51,14 +53,15 @@ def test_benchmark_times_the_official_step(checkout):
     import configs
 
     results = benchmark.run(tiny_config(), steps=2, decode_batches=0, synthetic_inputs=True,
-                            shapes=SHAPES, matmul_size=0, compare_official=str(checkout))
+                            shapes=SHAPES, matmul_size=0,
+                            comparisons=[benchmark_official.OfficialComparison(checkout)])
     assert results["official_steps"] == 2
     assert results["official_over_jax"] == pytest.approx(
         results["official_step_s"] / results["official_jax_step_s"])
     assert math.isfinite(results["official_loss_first_step"])
     assert results["official_repo"] == str(checkout.resolve())
     assert results["official_yaml"] == "configs/dynamic/transformer_clevr_change.yaml"
-    lines = benchmark.report_lines(results)
+    lines = benchmark_official.official_lines(results)
     assert any(line.startswith("official step (tuyunbin/DIRL at ") for line in lines)
     assert sys.modules["configs"] is configs  # the project's, not the checkout's
 
@@ -107,5 +110,6 @@ def test_real_official_checkout(model):
         config.model.update(hidden_dim=512, num_heads=8, word_dim=300)
         shapes = si.InputShapes((14, 14, 8), 12, 7)
     results = benchmark.run(config, steps=1, decode_batches=0, synthetic_inputs=True,
-                            shapes=shapes, matmul_size=0, compare_official=str(checkout))
+                            shapes=shapes, matmul_size=0,
+                            comparisons=[benchmark_official.OfficialComparison(checkout)])
     assert results["official_step_s"] > 0 and math.isfinite(results["official_loss_first_step"])

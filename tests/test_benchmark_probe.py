@@ -1,4 +1,4 @@
-"""The linear probe of changecap_jax/tools/benchmark_probe.py (docs/ablations.md, "Why colour
+"""The linear probe of benchmarks/feature_probe.py (docs/ablations.md, "Why colour
 and material changes are missed"): it finds classes a linear readout can separate, reports
 chance for ones it cannot, and its AUC is the rank statistic."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from changecap_jax.tools import benchmark_probe as probe
+from benchmarks import feature_probe as probe
 
 
 def _blobs(rng: np.random.Generator, n: int, separated: bool) -> tuple[np.ndarray, np.ndarray]:

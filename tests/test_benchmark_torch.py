@@ -1,4 +1,4 @@
-"""python -m changecap_jax benchmark --compare_torch (changecap_jax/tools/benchmark_torch.py): the
+"""python -m benchmarks.vs_pytorch --torch (benchmarks/torch_step.py): the
 torch reference's step beside the jitted step, at tiny sizes.
 
 Both sides start from the same weights (the reference's, through the model's converter table)
@@ -21,10 +21,11 @@ torch = pytest.importorskip("torch")
 
 from conftest import SMALL  # noqa: E402
 
-from changecap_jax.tools import benchmark  # noqa: E402
-from changecap_jax.tools import synthetic_inputs as si  # noqa: E402
-from changecap_jax.tools.torch_reference import TorchReferenceError  # noqa: E402
+from benchmarks import torch_step  # noqa: E402
+from changecap_jax.commands import benchmark  # noqa: E402
+from changecap_jax.commands import synthetic_inputs as si  # noqa: E402
 from configs import dirl, scorer, subtraction  # noqa: E402
+from tools.torch_reference import TorchReferenceError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -52,7 +53,8 @@ def tiny(module, preset: str = "synthetic", **model):
 
 def compare(config) -> dict:
     return benchmark.run(config, steps=2, decode_batches=0, synthetic_inputs=True,
-                         shapes=SHAPES, matmul_size=0, compare_torch=True, torch_threads=1)
+                         shapes=SHAPES, matmul_size=0,
+                         comparisons=[torch_step.TorchComparison(threads=1)])
 
 
 @pytest.mark.parametrize("module, model", [
@@ -70,7 +72,7 @@ def test_same_first_loss_and_a_ratio(module, model):
         assert math.isfinite(results[key]) and results[key] > 0, key
     assert results["torch_loss_first_step"] == pytest.approx(results["loss_first_step"],
                                                              abs=1e-5)
-    lines = benchmark.torch_lines(results)
+    lines = torch_step.torch_lines(results)
     assert lines[0].startswith("torch reference: median ") and "(>1: JAX faster)" in lines[0]
     assert "; 1 torch thread on cpu (JAX " in lines[0]
 
@@ -119,9 +121,9 @@ def test_missing_torch_is_one_clear_error(monkeypatch):
 
 
 def test_the_benchmark_imports_neither_torch_nor_the_reference_without_the_flag():
-    code = ("import sys, changecap_jax.tools.benchmark; "
+    code = ("import sys, changecap_jax.commands.benchmark; "
             "print(sorted(m for m in sys.modules if m == 'torch' or 'torch_reference' in m "
-            "or m == 'changecap_jax.tools.benchmark_torch'))")
+            "or m == 'benchmarks.torch_step'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -135,7 +137,7 @@ def test_dataset_batches(small_synthetic):
     config.dataset.data_dir = str(small_synthetic.directory.parents[2])
     config.dataset.options = dict(SMALL)
     results = benchmark.run(config, steps=1, decode_batches=0, matmul_size=0,
-                            compare_torch=True, torch_threads=1)
+                            comparisons=[torch_step.TorchComparison(threads=1)])
     assert results["inputs"] == "dataset"
     assert results["torch_loss_first_step"] == pytest.approx(results["loss_first_step"],
                                                              abs=1e-5)
@@ -150,11 +152,12 @@ def test_greedy_decoding_from_the_same_weights_agrees(module, model):
     starts both from the shared initial weights: the same captions and log-probabilities."""
     config = tiny(module, **model)
     results = benchmark.run(config, steps=2, decode_batches=2, synthetic_inputs=True,
-                            shapes=SHAPES, matmul_size=0, compare_torch=True, torch_threads=1)
+                            shapes=SHAPES, matmul_size=0,
+                            comparisons=[torch_step.TorchComparison(threads=1)])
     assert results["torch_decode_pairs"] == BATCH and results["torch_decode_rounds"] == 2
     assert results["torch_decode_same_captions"] == 1.0
     assert results["torch_decode_max_log_prob_diff"] < 1e-5
     assert math.isfinite(results["torch_decode_over_jax"]) and results["torch_decode_over_jax"] > 0
-    lines = benchmark.torch_lines(results)
+    lines = torch_step.torch_lines(results)
     assert lines[2].startswith("torch reference greedy decode: median ")
     assert "100.0% of the captions identical" in lines[3]

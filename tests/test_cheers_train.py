@@ -144,16 +144,12 @@ def test_ablation_presets():
 # its official-code adapter, its torch reference, its diagnostic tools, the registries and the
 # GPU check's list of the presets it times. Every other module is trunk.
 PER_MODEL_FILES = {"changecap_jax/models/__init__.py", "changecap_jax/convert/registry.py",
-                   "changecap_jax/tools/gpu_check/plan.py",
+                   "changecap_jax/commands/gpu_check/plan.py",
                    "changecap_jax/tools/reproduce/adapters.py",
                    "changecap_jax/tools/reproduce/idc_pcl.py",
                    "changecap_jax/tools/reproduce/idc_pretrain.py",
                    "changecap_jax/tools/reproduce/registry.py",
-                   "changecap_jax/tools/cheers_gates.py",
                    "changecap_jax/models/idc_pcl_pretraining.py",
-                   "changecap_jax/tools/torch_reference/__init__.py",
-                   *(f"changecap_jax/tools/torch_reference/{name}.py" for name in
-                     ("dirl", "scorer", "dirl_step", "scorer_step")),
                    *(f"changecap_jax/models/{name}.py" for name in
                      ("dirl", "scorer", "subtraction", "cheers", "idc_pcl")),
                    *(f"changecap_jax/convert/models/{name}.py" for name in

@@ -1,5 +1,5 @@
 """Official DIRL+CCR snapshot -> orbax checkpoint (changecap_jax/convert), checked tensor by tensor
-against the independent torch reference (changecap_jax/tools/torch_reference/dirl.py), both decoder
+against the independent torch reference (tools/torch_reference/dirl.py), both decoder
 variants.
 
 Reference: docs/official/ §1.1 (conversion rules), §1.2 (Adam, padding
@@ -31,7 +31,7 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from torch_reference import snapshot as tsnapshot  # noqa: E402
+from torch_helpers import snapshot as tsnapshot  # noqa: E402
 
 from changecap_jax import models, parallel  # noqa: E402
 from changecap_jax.convert import (  # noqa: E402
@@ -52,9 +52,9 @@ from changecap_jax.convert.torch_checkpoint import (  # noqa: E402
     read_official_snapshot,
 )
 from changecap_jax.decoding import search  # noqa: E402
-from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
-from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
 from changecap_jax.trainers import caption_step, captioning, optimizers, update  # noqa: E402
+from tools.torch_reference import dirl as tdirl  # noqa: E402
+from tools.torch_reference import scorer as tscorer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,5 +1,5 @@
 """Official SCORER+CBR snapshot (+ the CBR state_dict) -> orbax checkpoint (changecap_jax/convert),
-checked against the independent torch reference (changecap_jax/tools/torch_reference/scorer.py).
+checked against the independent torch reference (tools/torch_reference/scorer.py).
 
 Reference: docs/official/ §1.1 (conversion rules), §3 (SCORER+CBR), §3.6
 (snapshot), §7 (parity checklist), Appendix A (keys). Random seeded weights at small sizes
@@ -24,7 +24,7 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from torch_reference import snapshot as tsnapshot  # noqa: E402
+from torch_helpers import snapshot as tsnapshot  # noqa: E402
 
 from changecap_jax import models, parallel  # noqa: E402
 from changecap_jax.convert import (  # noqa: E402
@@ -40,9 +40,9 @@ from changecap_jax.convert.models import scorer as scorer_converter  # noqa: E40
 from changecap_jax.convert.models.scorer import GENERATOR  # noqa: E402
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER  # noqa: E402
 from changecap_jax.decoding import search  # noqa: E402
-from changecap_jax.tools.torch_reference import dirl as tdirl  # noqa: E402
-from changecap_jax.tools.torch_reference import scorer as tscorer  # noqa: E402
 from changecap_jax.trainers import caption_step, captioning, optimizers, update  # noqa: E402
+from tools.torch_reference import dirl as tdirl  # noqa: E402
+from tools.torch_reference import scorer as tscorer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -15,8 +15,8 @@ import ml_collections
 import pytest
 
 from changecap_jax import models, parallel
+from changecap_jax.commands import synthetic_inputs
 from changecap_jax.decoding import attention_maps, search
-from changecap_jax.tools import synthetic_inputs
 from changecap_jax.trainers import caption_step, optimizers
 from tests.train_helpers import SMALL
 

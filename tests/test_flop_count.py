@@ -1,5 +1,5 @@
-"""changecap_jax/tools/flop_count.py: matmul FLOPs from the jaxpr, loop iterations counted, against
-hand counts; XLA's cost analysis counts a scan's body once (why the module exists)."""
+"""changecap_jax/commands/flop_count.py: matmul FLOPs from the jaxpr, loop iterations counted,
+against hand counts; XLA's cost analysis counts a scan's body once (why the module exists)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from changecap_jax import parallel
+from changecap_jax.commands import flop_count
 from changecap_jax.models import losses
-from changecap_jax.tools import flop_count
 
 F32 = jnp.float32
 

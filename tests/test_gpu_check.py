@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from changecap_jax.tools.gpu_check import __main__ as gpu_check
-from changecap_jax.tools.gpu_check import job, plan, report, synthetic_data, training
+from changecap_jax.commands.gpu_check import __main__ as gpu_check
+from changecap_jax.commands.gpu_check import job, plan, report, synthetic_data, training
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30
@@ -118,10 +118,10 @@ def test_the_import_paths_need_nothing_the_gpu_host_lacks():
     tensorboardX, which the GPU host does not have (docs/performance.md "GPU check")."""
     probe = (
         "import sys\n"
-        "import changecap_jax.tools.gpu_check.__main__\n"
+        "import changecap_jax.commands.gpu_check.__main__\n"
         "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))\n"
-        "import configs.dirl, changecap_jax.tools.benchmark\n"
-        "from changecap_jax.tools.gpu_check import environment, steps, training, features\n"
+        "import configs.dirl, changecap_jax.commands.benchmark\n"
+        "from changecap_jax.commands.gpu_check import environment, steps, training, features\n"
         "print(sorted(m for m in ('tensorflow_datasets', 'grain', 'pycocoevalcap', 'tensorboardX',"
         " 'changecap_jax.trainers.captioning', 'changecap_jax.experiment') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
@@ -163,7 +163,7 @@ def test_training_on_in_memory_pairs_gives_a_loss_per_step(tmp_path):
 @pytest.mark.torch
 def test_features_on_the_cpu_alone_compare_nothing():
     pytest.importorskip("torch")
-    from changecap_jax.tools.gpu_check import features
+    from changecap_jax.commands.gpu_check import features
 
     result = features.run_job({"images": 1})
     assert result["shape"] == [1024, 14, 14]

@@ -1,5 +1,5 @@
 """Official IDC-PCL checkpoints -> orbax checkpoints (``python -m changecap_jax convert``),
-checked against the independent torch reference (tests/torch_reference/idc_pcl.py).
+checked against the independent torch reference (tools/torch_reference/idc_pcl.py).
 
 Reference: docs/official/ §5 (model, losses, decoding), §5.1 (dict.json:
 BOS = 1, MASK = 5), §5.4 (the fine-tuning restore skips the pooler), §6 / Appendix C (keys).
@@ -34,7 +34,6 @@ torch = pytest.importorskip("torch")
 import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from torch_reference import idc_pcl as tref  # noqa: E402
 from train_helpers import tiny_run  # noqa: E402
 
 from changecap_jax import models  # noqa: E402
@@ -53,6 +52,7 @@ from changecap_jax.convert.torch_checkpoint import IDC_STATE  # noqa: E402
 from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
+from tools.torch_reference import idc_pcl as tref  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -1,5 +1,5 @@
 """IDC-PCL Flax port (changecap_jax/models/idc_pcl.py) against the independent torch reference
-(tests/torch_reference/idc_pcl.py), both written from the notes of docs/official/idc_pcl.md §5.
+(tools/torch_reference/idc_pcl.py), both written from the notes of docs/official/idc_pcl.md §5.
 
 Checked: the reference's state_dict keys, order and shapes equal Appendix C at the default sizes
 (V = 100, parsed from the markdown; meta tensors, no memory); the Flax param tree maps 1:1 onto
@@ -24,13 +24,13 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from torch_reference import idc_pcl as tref  # noqa: E402
 
 from changecap_jax.convert.models import idc_pcl as idc_converter  # noqa: E402
 from changecap_jax.decoding import search  # noqa: E402
 from changecap_jax.models import idc_pcl, idc_pcl_pretraining  # noqa: E402
 from changecap_jax.models.base import ATTENTION  # noqa: E402
 from changecap_jax.models.idc_pcl_pretraining import on_one_device  # noqa: E402
+from tools.torch_reference import idc_pcl as tref  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -104,7 +104,7 @@ def test_no_tokens_give_zero_gradients():
 def test_gradients_nothing_asks_for_are_not_traced():
     """The input features of a model's first layer are not differentiated: their gradient
     product must not be in the step's jaxpr (the benchmark counts FLOPs from it)."""
-    from changecap_jax.tools.flop_count import dot_flops
+    from changecap_jax.commands.flop_count import dot_flops
 
     x, kernel = _inputs(50, 96, 32)
     product = 2 * 100 * 96 * 32

@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from changecap_jax.commands import loader_benchmark
 from changecap_jax.data import datasets, schema
-from changecap_jax.tools import loader_benchmark
 
 
 def test_relu_noise_copy_keeps_everything_but_the_grids(small_synthetic, tmp_path):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from changecap_jax import models, parallel
+from changecap_jax.commands import synthetic_inputs
 from changecap_jax.data import pipeline
 from changecap_jax.models import precision
-from changecap_jax.tools import synthetic_inputs
 from changecap_jax.trainers import caption_step, optimizers, update
 from tests.train_helpers import SMALL
 

@@ -114,8 +114,8 @@ def test_a_split_too_big_for_the_devices_is_refused_in_one_line(data_dir, tmp_pa
 
 
 def test_aot_adds_the_split_bytes_per_chip_when_on_device(data_dir):
-    from changecap_jax.tools import aot_programs
-    from changecap_jax.tools import synthetic_inputs as si
+    from changecap_jax.commands import aot_programs
+    from changecap_jax.commands import synthetic_inputs as si
 
     config = _config(data_dir, "on_device")
     shapes = si.InputShapes((4, 4, 16), 76, 16)

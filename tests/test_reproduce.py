@@ -1,6 +1,6 @@
 """``python -m changecap_jax reproduce`` (changecap_jax/tools/reproduce/) against a stand-in for the
-official checkouts: the project's torch reference (changecap_jax/torch_reference) laid out as
-tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_reference/official_layout.py), at tiny sizes.
+official checkouts: the project's torch reference (tools/torch_reference) laid out as
+tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_helpers/official_layout.py), at tiny sizes.
 With CHANGECAP_OFFICIAL_DIRL / CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same
 comparison runs against them.
 
@@ -28,7 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import SMALL  # noqa: E402
-from torch_reference import official_layout  # noqa: E402
+from torch_helpers import official_layout  # noqa: E402
 
 from changecap_jax.tools.reproduce import official, report, run  # noqa: E402
 
@@ -363,7 +363,7 @@ def test_idc_pcl_pretraining_step_by_step(idc_checkout, monkeypatch):
 
 def test_idc_pcl_pretraining_catches_a_wrong_official_loss(idc_checkout, monkeypatch):
     """A stand-in MVCL whose regions are one place off our mask shows at step 1."""
-    from torch_reference import idc_pcl as reference
+    from tools.torch_reference import idc_pcl as reference
 
     right = reference.mvcl_loss
     monkeypatch.setattr(reference, "mvcl_loss", lambda r, m, y: right(r, m.roll(1, 1), y))

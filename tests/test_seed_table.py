@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from changecap_jax.tools import seed_table
+from tools import seed_table
 
 
 def _metrics(total: float, per_group: float) -> dict:

@@ -1,4 +1,4 @@
-"""``python -m changecap_jax sweep`` (changecap_jax/tools/sweep.py): a two-value sweep of a tiny
+"""``python -m changecap_jax sweep`` (changecap_jax/commands/sweep.py): a two-value sweep of a tiny
 Subtraction model on the small synthetic set (one training step, the 10-pair test split),
 its table, JSON and plot, a rerun that skips both values, and the one-line errors.
 
@@ -18,7 +18,7 @@ import pytest
 from conftest import SMALL
 
 from changecap_jax import cli
-from changecap_jax.tools import sweep
+from changecap_jax.commands import sweep
 from configs import subtraction
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Self-checks of the project's PyTorch reference models (changecap_jax/torch_reference) that the
+"""Self-checks of the project's PyTorch reference models (tools/torch_reference) that the
 parity tests compare the Flax ports against: state_dict keys/shapes vs Appendices A and B of
 docs/official/ (scorer.md, dirl.md), losses that train, greedy decoding == a teacher-forced
 argmax, and the official snapshot format."""
@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch import Tensor, nn  # noqa: E402
-from torch_reference import snapshot  # noqa: E402
+from torch_helpers import snapshot  # noqa: E402
 
-from changecap_jax.tools.torch_reference import dirl, scorer  # noqa: E402
+from tools.torch_reference import dirl, scorer  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "official"
 APPENDIX_PAGE = {"A": "scorer.md", "B": "dirl.md"}

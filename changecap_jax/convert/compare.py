@@ -21,14 +21,14 @@ Flax's ``capture_intermediates`` and returns, as NumPy arrays under stable names
   the fields of plain tuple outputs (``output_fields``);
 * ``"loss"`` — caption_ce + sum of ``config.loss_weights[name] * aux/name`` (the trainer's total).
 
-PyTorch equivalents for DIRL+CCR (``changecap_jax/tools/torch_reference/dirl.py``):
+PyTorch equivalents for DIRL+CCR (``tools/torch_reference/dirl.py``):
 ``DIRL(...).diff_bef`` -> ``encoder/semantic/diff_before``; ``CCRSpeaker.memory`` ->
 ``decoder.memory/semantic``; ``CCROutput.logits / t / v`` -> ``decoder/semantic/{logits,t,v}``;
 ``dirl_losses`` ``cap_pos`` / ``cap_neg`` / ``dirl_pos`` / ``ccr_neg`` / ``total`` ->
 ``caption_ce/semantic`` / ``caption_ce/distractor`` / ``aux/dirl/semantic`` /
 ``aux/ccr/distractor`` / ``loss``.
 
-PyTorch equivalents for SCORER+CBR (``changecap_jax/tools/torch_reference/scorer.py``):
+PyTorch equivalents for SCORER+CBR (``tools/torch_reference/scorer.py``):
 ``ChangeDetector(...).memory`` -> ``encoder/{stream}/memory``; ``.sim_bef`` / ``.sim_aft`` (the
 last layer's (B, B) S1 / S2) -> ``encoder/{stream}/sim_before`` / ``sim_after`` (formed from the
 captured ``encoder/{stream}/matching/{0,1}/{query,key,logit_scale}``); ``.input_bef`` /

@@ -2,7 +2,7 @@
 three rendered views.
 
 The TFDS builder (``builder.py``) writes these into records; the GPU check
-(``changecap_jax/tools/gpu_check.py``) makes them in memory on a host that has no TFDS or
+(``changecap_jax/commands/gpu_check.py``) makes them in memory on a host that has no TFDS or
 grain. Both get the same scene, captions and images for a (seed, example id).
 """
 

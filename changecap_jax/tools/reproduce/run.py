@@ -37,13 +37,13 @@ import numpy as np
 import optax
 
 from changecap_jax import models, parallel
+from changecap_jax.commands import synthetic_inputs as si
 from changecap_jax.convert import converter, registry, tables
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
 from changecap_jax.data import datasets, pipeline
 from changecap_jax.data.streams import batch_keys
 from changecap_jax.models.base import INPUTS_FOLD
-from changecap_jax.tools import synthetic_inputs as si
 from changecap_jax.tools.reproduce import evaluate, idc_pretrain
 from changecap_jax.tools.reproduce import float64 as f64
 from changecap_jax.tools.reproduce import official as off

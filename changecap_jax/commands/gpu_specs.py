@@ -33,7 +33,7 @@ import dataclasses
 import os
 import re
 
-from changecap_jax.tools.tpu_specs import GB, GIB, Chip, Topology, TopologyError
+from changecap_jax.commands.tpu_specs import GB, GIB, Chip, Topology, TopologyError
 
 DEFAULT_MEMORY_FRACTION = 0.75  # JAX's GPU client's pool without XLA_PYTHON_CLIENT_MEM_FRACTION
 MAX_GPUS_PER_HOST = 16

@@ -1,5 +1,5 @@
-"""``python -m changecap_jax benchmark --compare_torch``: the project's torch reference of the
-config's model (changecap_jax/torch_reference) timed beside the jitted train step.
+"""``python -m benchmarks.vs_pytorch --torch``: the project's torch reference of the config's
+model (tools/torch_reference) timed beside the jitted train step.
 
 Same model and sizes, same initial weights (the reference's, copied into the JAX state through
 the model's converter table before the first JAX step), the same batches (the JAX step's,
@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from benchmarks.alternating import alternate_with_jax_step
+from changecap_jax.commands.benchmark import timed
 from changecap_jax.convert import registry, tables
 from changecap_jax.data.streams import BEFORE, STREAMS
 from changecap_jax.decoding import search
-from changecap_jax.tools import torch_reference
-from changecap_jax.tools.benchmark_alternating import alternate_with_jax_step, timed
-from changecap_jax.tools.torch_reference import TorchReferenceError
 from changecap_jax.trainers import optimizers
+from tools import torch_reference
+from tools.torch_reference import TorchReferenceError
 
 
 def data_sizes(model: Any, batch: dict[str, Any]) -> tables.Sizes:
@@ -44,7 +45,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     dtype = config.get("compute_dtype", "float32")
     if dtype != "float32":
         raise TorchReferenceError(
-            f"--compare_torch compares float32 steps (the torch reference computes in float32); "
+            f"--torch compares float32 steps (the torch reference computes in float32); "
             f"the config computes in {dtype}: set --config.compute_dtype=float32")
 
 
@@ -137,3 +138,50 @@ def compare_decode(step: Any, setup: Any, rounds: int) -> dict[str, Any]:
             "torch_decode_same_captions": float(same.mean()),
             "torch_decode_max_log_prob_diff": float(
                 np.max(np.abs(np.asarray(ours.log_probs) - theirs_log_probs)))}
+
+
+class TorchComparison:
+    """The torch reference as a side of ``benchmark.run`` (``comparisons``), with ``threads``
+    CPU threads (0: torch's default)."""
+
+    def __init__(self, threads: int = 0):
+        self.threads = threads
+        self.reference: Any = None
+
+    def check_config(self, config: ml_collections.ConfigDict) -> None:
+        check_config(config)
+
+    def prepare(self, config: ml_collections.ConfigDict, setup: Any) -> None:
+        self.reference = prepare(config, setup, self.threads)
+
+    def compare(self, setup: Any, config: ml_collections.ConfigDict, steps: int,
+                decode_batches: int, steps_per_epoch: int) -> dict[str, Any]:
+        results = compare(self.reference, setup, config, steps, steps_per_epoch)
+        if decode_batches > 0:
+            results.update(compare_decode(self.reference, setup, decode_batches))
+        return results
+
+
+def torch_lines(r: dict[str, Any]) -> list[str]:
+    """The lines of the torch comparison (none without it)."""
+    if r.get("torch_step_s") is None:
+        return []
+    threads = f"{r['torch_threads']} torch thread{'' if r['torch_threads'] == 1 else 's'}"
+    return [f"torch reference: median {r['torch_step_s']:.3f} s/step; torch/jax ratio "
+            f"{r['torch_over_jax']:.2f} (>1: JAX faster); {threads} on {r['torch_device']} "
+            f"(JAX {r['torch_jax_step_s']:.3f} s/step in the same {r['torch_steps']} "
+            "alternating rounds)",
+            f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
+            f"jax {r['loss_first_step']:.6f}"] + torch_decode_lines(r)
+
+
+def torch_decode_lines(r: dict[str, Any]) -> list[str]:
+    """The decoding lines of the torch comparison (none when no decoding was timed)."""
+    if r.get("torch_decode_s") is None:
+        return []
+    return [f"torch reference greedy decode: median {r['torch_decode_s']:.3f} s per batch of "
+            f"{r['torch_decode_pairs']}; torch/jax ratio {r['torch_decode_over_jax']:.2f} "
+            f"(JAX {r['torch_decode_jax_s']:.3f} s in the same {r['torch_decode_rounds']} "
+            "alternating rounds)",
+            f"same initial weights: {100 * r['torch_decode_same_captions']:.1f}% of the captions "
+            f"identical, largest log-prob difference {r['torch_decode_max_log_prob_diff']:.2e}"]

@@ -2,7 +2,7 @@
 piece"): the CRE/DRE gates sigma(P_hat) (Eq. 3-5) over positions and over channels, and the
 decoder gates alpha, beta (Eq. 14-15, after the model's ``gate_activation``).
 
-    python -m changecap_jax.tools.cheers_gates --workdir=DIR [--preset=synthetic/full]
+    python -m tools.cheers_gates --workdir=DIR [--preset=synthetic/full]
         [--pairs=128]
 
 Reads the workdir's latest checkpoint and the first ``--pairs`` test records (both streams).
@@ -81,7 +81,7 @@ def gate_spread(workdir: str, preset: str = "synthetic/full",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m changecap_jax.tools.cheers_gates",
+    parser = argparse.ArgumentParser(prog="python -m tools.cheers_gates",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--preset", default="synthetic/full",

@@ -1,4 +1,4 @@
-"""``python -m changecap_jax benchmark --compare_official=CHECKOUT``: the OFFICIAL PyTorch
+"""``python -m benchmarks.vs_pytorch --official=CHECKOUT``: the OFFICIAL PyTorch
 training iteration, imported from a local checkout of the model's official repository
 (tuyunbin/DIRL, tuyunbin/SCORER), timed beside the jitted train step.
 
@@ -27,9 +27,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from benchmarks.alternating import alternate_with_jax_step
 from changecap_jax.data.streams import STREAM_KEYS
 from changecap_jax.errors import UserError
-from changecap_jax.tools.benchmark_alternating import alternate_with_jax_step
 from changecap_jax.tools.reproduce import adapters, registry
 from changecap_jax.tools.reproduce import official as off
 from changecap_jax.tools.reproduce import run as reproduce
@@ -74,16 +74,16 @@ def prepare(config: ml_collections.ConfigDict, setup: Any, root: str | os.PathLi
     try:
         import torch
     except ImportError as e:
-        raise OfficialError("--compare_official needs PyTorch: pip install -r "
+        raise OfficialError("--official needs PyTorch: pip install -r "
                             "requirements-torch.txt") from e
     if config.get("compute_dtype", "float32") != "float32":
-        raise OfficialError("--compare_official compares float32 steps: set "
+        raise OfficialError("--official compares float32 steps: set "
                             "--config.compute_dtype=float32")
     try:
         adapter = registry.get_adapter(config.model.name)
         if adapter.snapshot_sources != adapters.Adapter.snapshot_sources:
             raise adapters.ReproduceError(
-                f"--compare_official times the tuyunbin/DIRL and tuyunbin/SCORER steps; "
+                f"--official times the tuyunbin/DIRL and tuyunbin/SCORER steps; "
                 f"{adapter.repository} ({config.model.name}) is compared by reproduce only")
         fitted = ml_collections.ConfigDict(config.to_dict())
         changes = adapter.fit_config(fitted)
@@ -103,7 +103,7 @@ def prepare(config: ml_collections.ConfigDict, setup: Any, root: str | os.PathLi
             cfg, model, optimizer = reproduce.build_modules(adapter, config, path, lib,
                                                             overrides)
     except (adapters.ReproduceError, off.OfficialCheckoutError) as e:
-        raise OfficialError(f"--compare_official: {e}") from e
+        raise OfficialError(f"--official: {e}") from e
     for module in model.modules.values():
         module.train()  # as the training loop runs them, dropout on
     return OfficialStep(path, adapter.yaml(config.model), adapter, model, cfg, optimizer, host,
@@ -124,3 +124,36 @@ def compare(step: OfficialStep, setup: Any, steps: int) -> dict[str, Any]:
             "official_over_jax": official_s / jax_s, "official_steps": steps,
             "official_threads": torch.get_num_threads(), "official_loss_first_step": first,
             "official_notes": step.notes}
+
+
+class OfficialComparison:
+    """The official training iteration of the checkout at ``root`` as a side of
+    ``benchmark.run`` (``comparisons``), with ``threads`` torch CPU threads."""
+
+    def __init__(self, root: str | os.PathLike, threads: int = 0):
+        self.root, self.threads = root, threads
+        self.step: OfficialStep | None = None
+
+    def check_config(self, config: ml_collections.ConfigDict) -> None:
+        """``prepare`` checks the config against the checkout."""
+
+    def prepare(self, config: ml_collections.ConfigDict, setup: Any) -> None:
+        self.step = prepare(config, setup, self.root, self.threads)
+
+    def compare(self, setup: Any, config: ml_collections.ConfigDict, steps: int,
+                decode_batches: int, steps_per_epoch: int) -> dict[str, Any]:
+        return compare(self.step, setup, steps)
+
+
+def official_lines(r: dict[str, Any]) -> list[str]:
+    """The lines of the official comparison (none without it)."""
+    if r.get("official_step_s") is None:
+        return []
+    return [f"official step ({r['official_repository']} at {r['official_repo']}, "
+            f"{r['official_yaml']}): median {r['official_step_s']:.3f} s/step; official/jax "
+            f"ratio {r['official_over_jax']:.2f} (>1: JAX faster); {r['official_threads']} "
+            f"torch threads (JAX {r['official_jax_step_s']:.3f} s/step in the same "
+            f"{r['official_steps']} alternating rounds)",
+            f"first-step loss, each side's own initial weights: official "
+            f"{r['official_loss_first_step']:.6f}, jax {r['loss_first_step']:.6f}",
+            *(f"official training differs: {note}" for note in r["official_notes"])]

@@ -1,6 +1,6 @@
 """Can the synthetic set's features carry a colour or material change at all? A linear probe.
 
-    python -m changecap_jax.tools.benchmark_probe --data_dir=DIR [--variant=moderate]
+    python -m benchmarks.feature_probe --data_dir=DIR [--variant=moderate]
         [--feature_shape=8,8,64] [--features=grid,stats,grid@8x8x128,stats@16x16]
         [--types=color,material] [--pair=pooled|absflat|local]
         [--decompose=grid@8x8x64,grid@16x16x128]

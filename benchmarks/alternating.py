@@ -1,21 +1,16 @@
 """Timing the jitted train step alternately with another implementation's step, so that both
-see the same machine load (``benchmark --compare_torch`` and ``--compare_official``)."""
+see the same machine load (``python -m benchmarks.vs_pytorch``: the torch reference and the
+official code)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn()`` takes."""
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+from changecap_jax.commands.benchmark import timed
 
 
 def alternate_with_jax_step(setup: Any, jax_batches: Sequence[Any],

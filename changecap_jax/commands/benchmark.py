@@ -9,7 +9,7 @@ With the config's dataset (the default) the experiment is built as for training
 ``--synthetic_inputs`` no dataset is read or built: the model, optimiser and step are built from
 the config alone (``models.build``, ``optimizers.make_optimizer``, ``caption_step.make_train_step``)
 and fed
-random batches of the dataset's shapes (``changecap_jax/tools/synthetic_inputs.py``: ResNet-101
+random batches of the dataset's shapes (``changecap_jax/commands/synthetic_inputs.py``: ResNet-101
 grids,
 14x14x1024 or IDC-PCL's 7x7x2048, and the built vocabularies' sizes for CLEVR-Change /
 CLEVR-DC; the config's grid for the synthetic presets; ``--vocab_size``, ``--caption_len`` and
@@ -33,20 +33,13 @@ Prints, in this order (the first six lines as before):
   then the median of three: the device's practical peak at the default matmul precision,
   which the model gets too);
 * the step's matmul work counted from its jaxpr with every loop iteration
-  (``changecap_jax/tools/flop_count.py``: XLA counts a loop body once, which undercounts SCORER's
+  (``changecap_jax/commands/flop_count.py``: XLA counts a loop body once, which undercounts SCORER's
   chunked matching several times over), its FLOP/s and share of the matmul's;
 * with a dataset: the input pipeline's examples/s read alone (``--input_batches`` batches,
   loader and transfer to the devices, no step) and which of input and step is the bottleneck;
-* with ``--compare_torch``: the median step of the model's torch reference, run on the same
-  batches from the same initial weights alternately with the JAX step, the ratio torch / JAX,
-  torch's thread count and both first-step losses (changecap_jax/tools/benchmark_torch.py); then,
-  unless ``--decode_batches=0``, both sides' greedy decoding of the eval batch from the same
-  initial weights, alternating (``--decode_batches`` rounds): the ratio, the share of
-  identical captions and the largest log-probability difference;
-* with ``--compare_official=CHECKOUT`` (DIRL+CCR and SCORER+CBR at their clevr_change presets):
-  the median step of the OFFICIAL training iteration, imported from a local checkout of the
-  official repository, alternating with the JAX step, and the ratio official / JAX
-  (changecap_jax/tools/benchmark_official.py).
+* against PyTorch (the project's torch reference, the official code): the same measurement
+  with the other side timed alternately, ``python -m benchmarks.vs_pytorch`` (outside the
+  package; it passes its sides to :func:`run` as ``comparisons``).
 
 ``--json=PATH`` writes every number, the config and the devices (atomically).
 """
@@ -58,8 +51,8 @@ import json
 import resource
 import statistics
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -68,15 +61,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax import cli, compile_cache, models, parallel
+from changecap_jax.commands import flop_count
+from changecap_jax.commands import synthetic_inputs as si
 from changecap_jax.cpu import allocator
 from changecap_jax.decoding import search
 from changecap_jax.errors import UserError
 from changecap_jax.io.jsonio import write_json_atomic
 from changecap_jax.models import precision
 from changecap_jax.models.base import conditioning_shapes
-from changecap_jax.tools import flop_count
-from changecap_jax.tools import synthetic_inputs as si
-from changecap_jax.tools.benchmark_alternating import timed
 from changecap_jax.trainers import caption_step, optimizers
 
 if TYPE_CHECKING:
@@ -128,7 +120,7 @@ def dataset_setup(config: ml_collections.ConfigDict) -> Setup:
     """The step, fresh state and batches of training on the config's dataset, made as
     ``captioning.Trainer`` makes them."""
     # Imported here: the dataset side needs TFDS and grain, which the synthetic inputs (and the
-    # GPU check, changecap_jax/tools/gpu_check.py) do without.
+    # GPU check, changecap_jax/commands/gpu_check.py) do without.
     from changecap_jax import experiment
     from changecap_jax.data import pipeline
     from changecap_jax.trainers import captioning
@@ -230,7 +222,7 @@ def time_train_step(setup: Setup, steps: int, matmul_size: int) -> dict[str, Any
         compiled = lowered.compile()  # a persistent-cache hit loads the executable instead
     compile_s = time.perf_counter() - t0
     # From the same trace: XLA's count takes each loop body once
-    # (changecap_jax/tools/flop_count.py).
+    # (changecap_jax/commands/flop_count.py).
     dots = flop_count.jaxpr_dot_flops(traced.jaxpr)
     matmul, matmul_flops = matmul_timer(matmul_size) if matmul_size else (None, 0.0)
     state, metrics = compiled(setup.state, setup.batches[0])  # first run: allocations
@@ -335,32 +327,46 @@ def peak_memory() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+class Comparison(Protocol):
+    """Another implementation timed alternately with the JAX step (``benchmarks/``)."""
+
+    def check_config(self, config: ml_collections.ConfigDict) -> None:
+        """Refuses a config it cannot run, before anything is built."""
+
+    def prepare(self, config: ml_collections.ConfigDict, setup: Setup) -> None:
+        """Builds its side; may set the JAX state's initial weights (before any JAX step)."""
+
+    def compare(self, setup: Setup, config: ml_collections.ConfigDict, steps: int,
+                decode_batches: int, steps_per_epoch: int) -> dict[str, Any]:
+        """Its measurements, to add to the results."""
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         synthetic_inputs: bool = False, shapes: Any = None, input_batches: int = 0,
-        matmul_size: int = 2048, compare_torch: bool = False,
-        torch_threads: int = 0, compare_official: str | None = None) -> dict[str, Any]:
+        matmul_size: int = 2048, comparisons: Sequence[Comparison] = ()) -> dict[str, Any]:
     """Returns the measured numbers (also used by tests). ``shapes``: the
     ``synthetic_inputs.InputShapes`` of a synthetic run (default: the config dataset's).
-    ``compare_torch``: also time the model's torch reference
-    (changecap_jax/tools/benchmark_torch.py),
-    which gives the JAX state its initial weights, with ``torch_threads`` CPU threads (0:
-    torch's default). ``compare_official``: a checkout of the official repository of the
-    config's model, whose train step is timed too (changecap_jax/tools/benchmark_official.py)."""
+    ``comparisons``: other implementations to time against the JAX step, each prepared after
+    the JAX side is built and compared after the JAX measurements."""
     check_supported(config)
     if steps < 1:
         raise BenchmarkError(f"steps must be >= 1, got {steps}")
-    torch_side = _torch_comparison() if compare_torch else None
-    if torch_side:
-        torch_side.check_config(config)
-    official_side = _official_comparison() if compare_official else None
+    for other in comparisons:
+        other.check_config(config)
     if synthetic_inputs:
         shapes = shapes or si.input_shapes(config)
         setup = synthetic_setup(config, shapes)
     else:
         setup = dataset_setup(config)
-    reference = torch_side.prepare(config, setup, torch_threads) if torch_side else None
-    official = (official_side.prepare(config, setup, compare_official, torch_threads)
-                if official_side else None)
+    for other in comparisons:
+        other.prepare(config, setup)
     results = time_train_step(setup, steps, matmul_size)
     results["examples_per_s"] = config.batch_size / results["step_s"]
     results.update(time_decode(setup, decode_batches, _compute_dtype(config)))
@@ -374,28 +380,10 @@ def run(config: ml_collections.ConfigDict, steps: int, decode_batches: int, *,
         devices={"count": jax.device_count(), "platform": jax.devices()[0].platform,
                  "kind": jax.devices()[0].device_kind},
         **peak_memory())
-    if reference is not None:
-        epoch = setup.experiment.steps_per_epoch if setup.experiment else SYNTHETIC_STEPS_PER_EPOCH
-        results.update(torch_side.compare(reference, setup, config, steps, epoch))
-        if decode_batches > 0:
-            results.update(torch_side.compare_decode(reference, setup, decode_batches))
-    if official is not None:
-        results.update(official_side.compare(official, setup, steps))
+    epoch = setup.experiment.steps_per_epoch if setup.experiment else SYNTHETIC_STEPS_PER_EPOCH
+    for other in comparisons:
+        results.update(other.compare(setup, config, steps, decode_batches, epoch))
     return results
-
-
-def _torch_comparison() -> Any:
-    # Imported for --compare_torch only: the torch reference and, when it runs, PyTorch.
-    from changecap_jax.tools import benchmark_torch
-
-    return benchmark_torch
-
-
-def _official_comparison() -> Any:
-    # Imported for --compare_official only (it imports PyTorch when it runs).
-    from changecap_jax.tools import benchmark_official
-
-    return benchmark_official
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
@@ -467,49 +455,10 @@ def _detail_lines(r: dict[str, Any]) -> list[str]:
                      f"{r['input_examples_per_s']:.1f} examples/s)")
     if "compilation_cache" in r:
         lines.append(f"compilation cache: {r['compilation_cache'] or 'off'}")
-    return lines + torch_lines(r) + official_lines(r)
+    return lines
 
 
-def official_lines(r: dict[str, Any]) -> list[str]:
-    """The lines of ``--compare_official`` (none without it)."""
-    if r.get("official_step_s") is None:
-        return []
-    return [f"official step ({r['official_repository']} at {r['official_repo']}, "
-            f"{r['official_yaml']}): median {r['official_step_s']:.3f} s/step; official/jax "
-            f"ratio {r['official_over_jax']:.2f} (>1: JAX faster); {r['official_threads']} "
-            f"torch threads (JAX {r['official_jax_step_s']:.3f} s/step in the same "
-            f"{r['official_steps']} alternating rounds)",
-            f"first-step loss, each side's own initial weights: official "
-            f"{r['official_loss_first_step']:.6f}, jax {r['loss_first_step']:.6f}",
-            *(f"official training differs: {note}" for note in r["official_notes"])]
-
-
-def torch_lines(r: dict[str, Any]) -> list[str]:
-    """The lines of ``--compare_torch`` (none without it)."""
-    if r.get("torch_step_s") is None:
-        return []
-    threads = f"{r['torch_threads']} torch thread{'' if r['torch_threads'] == 1 else 's'}"
-    return [f"torch reference: median {r['torch_step_s']:.3f} s/step; torch/jax ratio "
-            f"{r['torch_over_jax']:.2f} (>1: JAX faster); {threads} on {r['torch_device']} "
-            f"(JAX {r['torch_jax_step_s']:.3f} s/step in the same {r['torch_steps']} "
-            "alternating rounds)",
-            f"first-step loss, same weights and batch: torch {r['torch_loss_first_step']:.6f}, "
-            f"jax {r['loss_first_step']:.6f}"] + torch_decode_lines(r)
-
-
-def torch_decode_lines(r: dict[str, Any]) -> list[str]:
-    """The decoding lines of ``--compare_torch`` (none when no decoding was timed)."""
-    if r.get("torch_decode_s") is None:
-        return []
-    return [f"torch reference greedy decode: median {r['torch_decode_s']:.3f} s per batch of "
-            f"{r['torch_decode_pairs']}; torch/jax ratio {r['torch_decode_over_jax']:.2f} "
-            f"(JAX {r['torch_decode_jax_s']:.3f} s in the same {r['torch_decode_rounds']} "
-            "alternating rounds)",
-            f"same initial weights: {100 * r['torch_decode_same_captions']:.1f}% of the captions "
-            f"identical, largest log-prob difference {r['torch_decode_max_log_prob_diff']:.2e}"]
-
-
-def _shapes_from_flags(config: ml_collections.ConfigDict) -> Any:
+def shapes_from_flags(config: ml_collections.ConfigDict) -> Any:
     grid = tuple(int(v) for v in FLAGS.feature_shape) if FLAGS.feature_shape else None
     return si.input_shapes(config, feature_shape=grid, vocab_size=FLAGS.vocab_size,
                            caption_len=FLAGS.caption_len)
@@ -532,16 +481,6 @@ def define_flags() -> None:
                          "Batches read to time the input pipeline alone (dataset only; 0: skip).")
     flags.DEFINE_integer("matmul_size", 2048, "Side of the reference float32 matmul (0: skip).")
     flags.DEFINE_string("json", None, "Write all results to this JSON file.")
-    flags.DEFINE_bool("compare_torch", False,
-                      "Also time the model's torch reference (changecap_jax/torch_reference) on "
-                      "the same batches, alternating with the JAX step (needs PyTorch).")
-    flags.DEFINE_string("compare_official", None,
-                        "Also time the OFFICIAL train step, imported from this local checkout "
-                        "of tuyunbin/DIRL or tuyunbin/SCORER (the config's model, clevr_change "
-                        "preset), alternating with the JAX step (needs PyTorch).")
-    flags.DEFINE_integer("torch_threads", 0,
-                         "With --compare_torch / --compare_official: torch's CPU threads "
-                         "(0: torch's default).")
 
 
 def main(argv: list[str]) -> None:
@@ -552,12 +491,10 @@ def main(argv: list[str]) -> None:
         config.batch_size = FLAGS.batch_size
     if FLAGS.eval_batch_size:
         config.eval_batch_size = FLAGS.eval_batch_size
-    shapes = _shapes_from_flags(config) if FLAGS.synthetic_inputs else None
+    shapes = shapes_from_flags(config) if FLAGS.synthetic_inputs else None
     results = run(config, FLAGS.steps, FLAGS.decode_batches,
                   synthetic_inputs=FLAGS.synthetic_inputs, shapes=shapes,
-                  input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size,
-                  compare_torch=FLAGS.compare_torch, torch_threads=FLAGS.torch_threads,
-                  compare_official=FLAGS.compare_official)
+                  input_batches=FLAGS.input_batches, matmul_size=FLAGS.matmul_size)
     results.update(preset=FLAGS["config"].config_filename,
                    config=json.loads(config.to_json_best_effort()),
                    compilation_cache=jax.config.jax_compilation_cache_dir)

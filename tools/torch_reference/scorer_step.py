@@ -1,5 +1,5 @@
 """SCORER+CBR's torch reference (:mod:`.scorer`) built from a project config, for
-``python -m changecap_jax benchmark --compare_torch`` (:mod:`.train_step`).
+``python -m benchmarks.vs_pytorch --torch`` (:mod:`.train_step`).
 
 The modules take the config's sizes (``configs/scorer.py`` fields) and the data's (grid,
 channels, vocabulary, caption length). After each optimiser step the last SCORER layer's and
@@ -17,8 +17,8 @@ from changecap_jax.convert.models.scorer import GENERATOR
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.tables import Sizes
 from changecap_jax.data.streams import pair_streams
-from changecap_jax.tools.torch_reference import check_square_grid, check_switches
-from changecap_jax.tools.torch_reference.scorer import (
+from tools.torch_reference import check_square_grid, check_switches
+from tools.torch_reference.scorer import (
     CBR,
     PAD_ID,
     ChangeDetector,
@@ -27,7 +27,7 @@ from changecap_jax.tools.torch_reference.scorer import (
     sample,
     scorer_pair_losses,
 )
-from changecap_jax.tools.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
+from tools.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
 
 # The official model's switches (configs/scorer.py ABLATIONS change them).
 OFFICIAL = {"use_sim": True, "use_cbr": True, "matching": "official",

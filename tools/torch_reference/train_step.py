@@ -1,4 +1,4 @@
-"""The torch reference's train step, as ``python -m changecap_jax benchmark --compare_torch``
+"""The torch reference's train step, as ``python -m benchmarks.vs_pytorch --torch``
 runs it beside the jitted step (docs/performance.md).
 
 Model-agnostic: a model's ``*_step`` module returns a :class:`ReferenceModel` (its modules by
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from changecap_jax.data.streams import BEFORE, STREAMS
-from changecap_jax.tools.torch_reference import TorchReferenceError
-from changecap_jax.tools.torch_reference.scorer import (
+from tools.torch_reference import TorchReferenceError
+from tools.torch_reference.scorer import (
     add_spatial_info,
     caption_mask,
     labels_with_ignore,

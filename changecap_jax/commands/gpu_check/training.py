@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from changecap_jax.tools.gpu_check.plan import TRAINED
+from changecap_jax.commands.gpu_check.plan import TRAINED
 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     import jax
 
     from changecap_jax import models, parallel
-    from changecap_jax.tools.gpu_check import synthetic_data
-    from changecap_jax.tools.gpu_check.steps import load_config
+    from changecap_jax.commands.gpu_check import synthetic_data
+    from changecap_jax.commands.gpu_check.steps import load_config
     from changecap_jax.trainers import caption_step, optimizers
 
     data = synthetic_data.load(spec["data"])

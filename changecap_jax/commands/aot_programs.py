@@ -29,14 +29,14 @@ from jax.experimental import topologies
 from jax.sharding import Mesh
 
 from changecap_jax import models, parallel
+from changecap_jax.commands import flop_count, interconnect, tpu_specs
+from changecap_jax.commands import synthetic_inputs as si
+from changecap_jax.commands.benchmark import SYNTHETIC_STEPS_PER_EPOCH, xla_cost
 from changecap_jax.data.negatives import NUM_NEGATIVES
 from changecap_jax.decoding import search
 from changecap_jax.errors import UserError
 from changecap_jax.models import precision
 from changecap_jax.models.base import conditioning_shapes
-from changecap_jax.tools import flop_count, interconnect, tpu_specs
-from changecap_jax.tools import synthetic_inputs as si
-from changecap_jax.tools.benchmark import SYNTHETIC_STEPS_PER_EPOCH, xla_cost
 from changecap_jax.trainers import captioning, optimizers, pretraining, update
 
 DEFAULT_FEATURE_DTYPE = "float16"  # data/datasets.py's default stored feature dtype

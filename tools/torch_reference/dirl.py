@@ -1,5 +1,5 @@
 """DIRL + CCR (tuyunbin/DIRL) re-implemented in plain PyTorch: the project's torch reference,
-used by the parity tests and by ``python -m changecap_jax benchmark --compare_torch``.
+used by the parity tests and by ``python -m benchmarks.vs_pytorch --torch``.
 
 Written from the notes in ``docs/official/`` (cited as §N below), not from any code:
 §4.1 encoder ``DIRL``, §4.2 decoder ``CCR`` in both variants, §4.3 losses, §4.4 initialisation,

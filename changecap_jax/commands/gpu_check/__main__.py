@@ -5,7 +5,7 @@ largest power-of-two batch that fits) and greedy decoding of 128 pairs; trains D
 synthetic pairs made in memory on the GPU and on the CPU and compares the loss curves;
 compares ResNet-101 features computed with CUDA and on the CPU. Writes ``gpu_check.json``,
 ``gpu_check.txt`` and ``loss_curve.csv`` into DIR. Each part gets a share of ``--budget_s``
-(changecap_jax/tools/gpu_check/plan.py); what does not fit is skipped with a note. ``--tiny``:
+(changecap_jax/commands/gpu_check/plan.py); what does not fit is skipped with a note. ``--tiny``:
 the CPU presets and a few steps, for CI. docs/performance.md "GPU check".
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 from absl import app, flags
 
 from changecap_jax import cli
+from changecap_jax.commands.gpu_check import job, plan, report, synthetic_data
 from changecap_jax.io.jsonio import write_json_atomic
-from changecap_jax.tools.gpu_check import job, plan, report, synthetic_data
 
 FLAGS = flags.FLAGS
 # The children's device memory pool: JAX's default 75 % would refuse batches that fit.

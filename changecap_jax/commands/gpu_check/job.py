@@ -1,4 +1,4 @@
-"""One measurement in a child process: ``python -m changecap_jax.tools.gpu_check.job SPEC``.
+"""One measurement in a child process: ``python -m changecap_jax.commands.gpu_check.job SPEC``.
 
 SPEC is a JSON file ``{"kind": ..., "out": RESULT.json, ...}``; the child writes its result
 there. :func:`launch` (the parent's side) starts one with a timeout and reads the result back.
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 # kind -> the module whose run_job(spec) measures it (imported in the child).
-KINDS = {"environment": "changecap_jax.tools.gpu_check.environment",
-         "steps": "changecap_jax.tools.gpu_check.steps",
-         "training": "changecap_jax.tools.gpu_check.training",
-         "features": "changecap_jax.tools.gpu_check.features"}
+KINDS = {"environment": "changecap_jax.commands.gpu_check.environment",
+         "steps": "changecap_jax.commands.gpu_check.steps",
+         "training": "changecap_jax.commands.gpu_check.training",
+         "features": "changecap_jax.commands.gpu_check.features"}
 # The repository root: the children import configs/ from there, wherever the parent started.
 ROOT = Path(__file__).resolve().parents[3]
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
@@ -36,7 +36,7 @@ def launch(kind: str, spec: Mapping[str, Any], timeout_s: float,
     with tempfile.TemporaryDirectory(prefix="gpu_check_job_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps({**spec, "kind": kind, "out": str(out_path)}))
-        cmd = [sys.executable, "-m", "changecap_jax.tools.gpu_check.job", str(spec_path)]
+        cmd = [sys.executable, "-m", "changecap_jax.commands.gpu_check.job", str(spec_path)]
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         try:
             done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path, **(env or {})},

@@ -29,8 +29,8 @@ import dataclasses
 import math
 import re
 
+from changecap_jax.commands.interconnect import Interconnect
 from changecap_jax.errors import UserError
-from changecap_jax.tools.interconnect import Interconnect
 
 GB, GIB = 10**9, 2**30
 

@@ -9,8 +9,8 @@ name them: ``configs/config_transformer.py`` (a ``cfg`` with ``merge_cfg_from_fi
 import from here: classes that take the official ``cfg`` and keep the official call signatures
 and return tuples (``DIRL(cfg)(x1, x2) -> (diff_bef, diff_aft, loss)``, ``CCR._forward``,
 ``ChangeDetector``, ``Speaker._forward``, ``CBR``), over the package's torch reference
-(:mod:`changecap_jax.tools.torch_reference.dirl` and
-:mod:`changecap_jax.tools.torch_reference.scorer`).
+(:mod:`tools.torch_reference.dirl` and
+:mod:`tools.torch_reference.scorer`).
 Like the official encoders, the grid position tables have 14 rows. Unlike the official CBR (512
 channels, 8 heads, 14x14 grid), the stand-in takes the cfg's sizes, so tests run tiny. Nothing
 here is official code; the behaviour is the reference document's.
@@ -26,8 +26,8 @@ import torch
 import yaml
 from torch import nn
 
-from changecap_jax.tools.torch_reference import dirl as tdirl
-from changecap_jax.tools.torch_reference import scorer as tscorer
+from tools.torch_reference import dirl as tdirl
+from tools.torch_reference import scorer as tscorer
 
 from .idc_pcl import IDCPCL
 from .snapshot import AttrDict
@@ -238,7 +238,7 @@ def real_checkout(model: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# yaolinli/IDC (clver/), over the test reference tests/torch_reference/idc_pcl.py
+# yaolinli/IDC (clver/), over the test reference tools/torch_reference/idc_pcl.py
 # ---------------------------------------------------------------------------------------------
 
 IDC_SETTINGS = {  # clver/config/finetune_clver.json's training values

@@ -1,6 +1,6 @@
 """A markdown table of ``python -m changecap_jax aot --json`` results (docs/accelerators.md).
 
-    python -m changecap_jax.tools.aot_table RESULT.json [RESULT.json ...]
+    python -m changecap_jax.commands.aot_table RESULT.json [RESULT.json ...]
 
 One row per program of each file: preset, slice, compute dtype, global batch, per-chip HBM
 used and available, per-chip FLOPs, the parameters, the gradient all-reduce's time bound, the

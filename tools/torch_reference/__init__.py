@@ -2,7 +2,7 @@
 
 :mod:`.dirl` (DIRL+CCR) and :mod:`.scorer` (SCORER+CBR) re-implement the official modules in
 plain PyTorch from the notes in docs/official/. The parity tests compare the Flax ports against
-them, and ``python -m changecap_jax benchmark --compare_torch`` times their train step beside
+them, and ``python -m benchmarks.vs_pytorch --torch`` times their train step beside
 ours (:func:`reference_step`; docs/performance.md). Each model's ``*_step`` module builds its
 reference from a project config.
 

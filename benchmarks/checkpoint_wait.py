@@ -1,6 +1,6 @@
 """How long the training loop waits per checkpoint save, synchronous against asynchronous.
 
-    python -m changecap_jax.tools.save_wait --config=configs/dirl.py:synthetic \\
+    python -m benchmarks.checkpoint_wait --config=configs/dirl.py:synthetic \\
         --steps=60 --every=10 --rounds=2 [--config.FIELD=VALUE ...]
 
 Trains ``--steps`` steps from scratch, saving every ``--every``, ``--rounds`` times in each

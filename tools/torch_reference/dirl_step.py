@@ -1,5 +1,5 @@
 """DIRL+CCR's torch reference (:mod:`.dirl`) built from a project config, for
-``python -m changecap_jax benchmark --compare_torch`` (:mod:`.train_step`).
+``python -m benchmarks.vs_pytorch --torch`` (:mod:`.train_step`).
 
 The modules take the config's sizes (``configs/dirl.py`` fields) and the data's (grid,
 channels, vocabulary, caption length); the reference implements the full model of the official
@@ -13,16 +13,16 @@ import ml_collections
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.convert.tables import Sizes
 from changecap_jax.data.streams import pair_streams
-from changecap_jax.tools.torch_reference import check_square_grid, check_switches
-from changecap_jax.tools.torch_reference.dirl import (
+from tools.torch_reference import check_square_grid, check_switches
+from tools.torch_reference.dirl import (
     DIRL,
     OFF_DIAGONAL_WEIGHT,
     CCRSpeaker,
     dirl_pair_losses,
     sample,
 )
-from changecap_jax.tools.torch_reference.scorer import PAD_ID
-from changecap_jax.tools.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
+from tools.torch_reference.scorer import PAD_ID
+from tools.torch_reference.train_step import ReferenceModel, TorchBatch, stream_mean
 
 # The full model's switches (configs/dirl.py ABLATIONS change them; the reference has none).
 FULL_MODEL = {"use_dirl": True, "use_ccr": True, "on_diagonal_weight": 1.0,

@@ -1,5 +1,5 @@
 """One model's train step and greedy decoding on random inputs of its preset's shapes, timed in
-a child process with the benchmark's builders (``changecap_jax/tools/benchmark.py``).
+a child process with the benchmark's builders (``changecap_jax/commands/benchmark.py``).
 
 The child's device peak (``memory_stats``) is its own: one job per (model, dtype, batch). It
 includes the benchmark's three device batches and the decode batch beside the step's own
@@ -32,9 +32,9 @@ def compiled_sizes(compiled: Any) -> dict[str, int | None]:
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     from changecap_jax import compile_cache
+    from changecap_jax.commands import benchmark
+    from changecap_jax.commands import synthetic_inputs as si
     from changecap_jax.models import precision
-    from changecap_jax.tools import benchmark
-    from changecap_jax.tools import synthetic_inputs as si
 
     compile_cache.enable()
     config = load_config(spec["model"], spec["preset"])

@@ -61,8 +61,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from changecap_jax import cli, cpu
+from changecap_jax.commands import gpu_specs, tpu_specs
 from changecap_jax.errors import UserError
-from changecap_jax.tools import gpu_specs, tpu_specs
 
 FLAGS = flags.FLAGS
 LIBTPU_PIN = "libtpu==0.0.42.1"  # what jax[tpu]==0.10.2 installs
@@ -139,8 +139,8 @@ def run(config: Any, topology_name: str, programs: tuple[str, ...] = PROGRAMS,
     # JAX, imported here: after set_environment, and not for --help or a flag error.
     import jax
 
-    from changecap_jax.tools import aot_programs
-    from changecap_jax.tools import synthetic_inputs as si
+    from changecap_jax.commands import aot_programs
+    from changecap_jax.commands import synthetic_inputs as si
 
     mesh = aot_programs.topology_mesh(topology)
     shapes = shapes or si.input_shapes(config)
@@ -274,7 +274,7 @@ def cost_warnings(results: dict[str, Any]) -> list[str]:
 def check_fits(results: dict[str, Any]) -> None:
     """Raises :class:`~aot_programs.DoesNotFitError` for a program the compiler refused, else
     for the first one over the HBM available."""
-    from changecap_jax.tools.aot_programs import DoesNotFitError
+    from changecap_jax.commands.aot_programs import DoesNotFitError
 
     if results.get("refused"):
         raise DoesNotFitError(results["refused"]["message"])
@@ -323,7 +323,7 @@ def main(argv: list[str]) -> None:
         config.eval_batch_size = FLAGS.eval_batch_size
     shapes = None
     if FLAGS.vocab_size or FLAGS.caption_len:
-        from changecap_jax.tools import synthetic_inputs as si
+        from changecap_jax.commands import synthetic_inputs as si
 
         shapes = si.input_shapes(config, vocab_size=FLAGS.vocab_size,
                                  caption_len=FLAGS.caption_len)

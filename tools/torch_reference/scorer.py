@@ -1,5 +1,5 @@
 """SCORER + CBR (tuyunbin/SCORER) re-implemented in plain PyTorch: the project's torch reference,
-used by the parity tests and by ``python -m changecap_jax benchmark --compare_torch``.
+used by the parity tests and by ``python -m benchmarks.vs_pytorch --torch``.
 
 Written from the notes in ``docs/official/`` (cited as §N below), not from any code:
 §2.3 AddSpatialInfo, §2.5 caption mask / targets, §3.1 ``ChangeDetector``, §3.2 ``Speaker``,

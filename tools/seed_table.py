@@ -1,7 +1,7 @@
 """Mean and standard deviation over seeds: one row per system, from seed sweeps
 (docs/ablations.md, "The orderings over three seeds").
 
-    python -m changecap_jax.tools.seed_table SWEEP_DIR [SWEEP_DIR ...] [--metric=CIDEr] \
+    python -m tools.seed_table SWEEP_DIR [SWEEP_DIR ...] [--metric=CIDEr] \
         [--columns=total,semantic,no_change,color,material,add,drop,move]
 
 Each SWEEP_DIR is the output of ``python -m changecap_jax sweep --param=seed --values=...``
@@ -71,7 +71,7 @@ def table(sweep_dirs: Sequence[Path], metric: str = "CIDEr",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m changecap_jax.tools.seed_table",
+    parser = argparse.ArgumentParser(prog="python -m tools.seed_table",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_dirs", nargs="+", type=Path)
     parser.add_argument("--metric", default="CIDEr")
