@@ -171,7 +171,7 @@ class CBR(tscorer.CBR):
 # The checkout on disk
 # ---------------------------------------------------------------------------------------------
 
-CONFIG_MODULE = """from torch_reference import official_layout as _layout
+CONFIG_MODULE = """from torch_helpers import official_layout as _layout
 
 cfg = _layout.default_cfg()
 
@@ -208,12 +208,12 @@ def _yaml_text(feat_dim: int, vocab: int, seq_length: int) -> str:
 def write_checkout(root: Path, model: str) -> Path:
     """Writes the stand-in checkout of ``model`` ("dirl" or "scorer") under ``root``."""
     files = {"configs/config_transformer.py": CONFIG_MODULE, "utils/__init__.py": "",
-             "utils/utils.py": "from torch_reference.official_layout import build_optimizer, "
+             "utils/utils.py": "from torch_helpers.official_layout import build_optimizer, "
                                "CrossEn  # noqa: F401\n"}
     for name in REPO_YAMLS[model]:
         files[f"configs/dynamic/{name}"] = _yaml_text(*YAMLS[name])
     for path, names in MODULES[model].items():
-        files[path] = f"from torch_reference.official_layout import {names}  # noqa: F401\n"
+        files[path] = f"from torch_helpers.official_layout import {names}  # noqa: F401\n"
     for path, text in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
@@ -284,11 +284,11 @@ def get_lr_sched(global_step, args, pretrain=True):
         return args.lr * noam_schedule(global_step, args.warmup_steps) or 1e-8
     return finetune_lr_schedule(global_step, args.lr)
 '''
-IDC_MODULES = "from torch_reference.official_layout import IdcFinetuneModel as Model  # noqa\n"
+IDC_MODULES = "from torch_helpers.official_layout import IdcFinetuneModel as Model  # noqa\n"
 IDC_PRETRAIN_SETTINGS = {  # clver/config/pretrain_clver.json's training values
     **IDC_SETTINGS, "lr": 1e-4, "warmup_steps": 8000, "tmp": 1.0,
     "pretrain_tasks": ["mlm", "mvm_contrst", "fda"]}
-IDC_PRETRAIN_MODULES = ("from torch_reference.official_layout import IdcPretrainModel as Model"
+IDC_PRETRAIN_MODULES = ("from torch_helpers.official_layout import IdcPretrainModel as Model"
                         "  # noqa\n")
 
 
