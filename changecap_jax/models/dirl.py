@@ -390,7 +390,8 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
-    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CHECK_DATASET})
+    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CHECK_DATASET,
+                                                        contract.CLASSIFY_CHANGE})
 
     vocab_size: int
     max_len: int
@@ -497,6 +498,20 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         if medic.enabled(self.medic):
             medic.check_change_types(meta.change_types, self.medic["dataset_types"],
                                      self.medic.get("type_names", medic.TYPE_NAMES))
+
+    @property
+    def change_type_names(self) -> tuple[str, ...]:
+        """Capability ``classify_change``: MEDIC's type names; empty without the plug-in."""
+        return medic.type_names(self.medic)
+
+    def classify_change(self, before: Array, after: Array) -> tuple[Array, Array]:
+        """Capability ``classify_change``: MEDIC's router on the pair's difference features
+        (eval mode): change logits (B, 2), 1 = change, and type logits (B, K)."""
+        if self.plugin is None:
+            raise ValueError("classify_change needs model.medic (this DIRL has no router)")
+        embedded = self.encoder.embed_image(self._features(before), train=False, with_mlp=False)
+        enc = self.encoder(embedded, self._features(after), train=False)
+        return self.plugin.route(enc.diff_before, enc.diff_after, tuple(after.shape[1:3]))
 
     # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 
