@@ -108,6 +108,25 @@ def medic_labels(change_type: Array, dataset_types: Sequence[str], *, no_change:
     return table[jnp.where(change_type < 0, len(dataset_types), change_type)]
 
 
+def stream_labels(batch: Mapping[str, Array], medic: Mapping[str, Any], stream: str,
+                  type_names: Sequence[str] = TYPE_NAMES) -> Array:
+    """A host's MEDIC labels of one caption stream of ``batch`` (``medic``: the host's
+    ``config.model.medic``). The batch's ``change_type``, or -1 (a change of unknown type) in
+    the example batches of ``model.init``, which carry only the stream fields."""
+    change_type = (batch["change_type"] if "change_type" in batch
+                   else jnp.full(batch["before"].shape[:1], -1, jnp.int32))
+    return medic_labels(change_type, medic["dataset_types"], no_change=stream == "distractor",
+                        type_names=type_names)
+
+
+def check_host_dataset(medic: Mapping[str, Any] | None, meta: Any) -> None:
+    """A host's capability ``check_dataset``: refuses (one line) a dataset without the change
+    types its plug-in needs; nothing to check when the plug-in is off."""
+    if enabled(medic):
+        check_change_types(meta.change_types, medic["dataset_types"],
+                           medic.get("type_names", TYPE_NAMES))
+
+
 # ---- the experts (paper: key-value memory experts) -------------------------------------------
 
 
