@@ -176,3 +176,32 @@ def set_fields(config: ml_collections.ConfigDict, fields: dict[str, object]) -> 
                 del node[leaf]
         else:
             node[leaf] = value
+
+
+# dataset -> (disentangle, consistency, batch, iterations) of MEDIC's run scripts
+# (``VisualAIKHU/MEDIC`` ``run/run_*_final.sh``; configs/dirl.py's docstring); None: the preset's.
+MEDIC_PRESETS = {
+    "synthetic": (0.1, 0.1, None, None), "synthetic_extreme": (0.1, 0.1, None, None),
+    "clevr_change": (0.1, 0.1, 64, 30_000), "clevr_dc": (0.1, 0.01, 128, 50_000),
+    "spot_the_diff": (0.01, 0.01, 128, 50_000), "image_editing_request": (0.1, 0.1, None, None),
+}
+
+
+def add_medic_plugin(config: ml_collections.ConfigDict, preset: str) -> None:
+    """Switches the MEDIC plug-in on (``config.model.medic``, docs/models.md "MEDIC") with the
+    official module settings and MEDIC's loss weights of ``preset``; smaller memories and
+    classifiers on the synthetic presets. The host's own settings are its config's business."""
+    from changecap_jax.data.synthetic.scenes import CHANGE_TYPES  # the CLEVR datasets' types
+
+    if preset not in MEDIC_PRESETS:
+        raise ValueError(f"no MEDIC preset for {preset!r}; choose one of {list(MEDIC_PRESETS)}")
+    disentangle, consistency, _, _ = MEDIC_PRESETS[preset]
+    config.model.medic = ml_collections.ConfigDict({
+        "dataset_types": list(CHANGE_TYPES), "memory_size": 100, "classifier_hidden": 512,
+        "cls_temperature": 1.0, "type_temperature": 1.0, "margin_inter": 0.2,
+        "margin_intra": 0.7, "lambda_inter": 1.0, "lambda_intra": 1.0})
+    if preset.startswith("synthetic"):
+        config.model.medic.update(memory_size=20, classifier_hidden=64)
+    config.loss_weights.update({"change_cls": 0.1, "change_type_cls": 0.1,
+                                "expert_disentangle": disentangle,
+                                "expert_consistency": consistency})

@@ -102,35 +102,17 @@ PAPER_PRESETS = {
 }
 
 
-# dataset -> (disentangle, consistency, batch, iterations) of MEDIC's run scripts (docstring).
-MEDIC_PRESETS = {
-    "synthetic": (0.1, 0.1, None, None), "synthetic_extreme": (0.1, 0.1, None, None),
-    "clevr_change": (0.1, 0.1, 64, 30_000), "clevr_dc": (0.1, 0.01, 128, 50_000),
-    "spot_the_diff": (0.01, 0.01, 128, 50_000), "image_editing_request": (0.1, 0.1, None, None),
-}
-
-
 def add_medic(config: ml_collections.ConfigDict, preset: str) -> None:
-    """Switches the MEDIC plug-in on (``config.model.medic``) with the official settings."""
-    from changecap_jax.data.synthetic.scenes import CHANGE_TYPES  # the CLEVR datasets' types
-
-    if preset not in MEDIC_PRESETS:
-        raise ValueError(f"no MEDIC preset for {preset!r}; choose one of {list(MEDIC_PRESETS)}")
-    disentangle, consistency, batch, steps = MEDIC_PRESETS[preset]
+    """DIRL + MEDIC as the official code trains it: the plug-in with its official settings
+    (``common.add_medic_plugin``, ``common.MEDIC_PRESETS``), the CCR_expert.py decoder, and on
+    the paper datasets DIRL's weights and the batch and iterations of MEDIC's run scripts."""
+    common.add_medic_plugin(config, preset)
     config.model.variant = "clevr_dc"  # MEDIC's CCR_expert.py: LNs + xavier, on every dataset
-    config.model.medic = ml_collections.ConfigDict({
-        "dataset_types": list(CHANGE_TYPES), "memory_size": 100, "classifier_hidden": 512,
-        "cls_temperature": 1.0, "type_temperature": 1.0, "margin_inter": 0.2,
-        "margin_intra": 0.7, "lambda_inter": 1.0, "lambda_intra": 1.0})
-    if preset.startswith("synthetic"):
-        config.model.medic.update(memory_size=20, classifier_hidden=64)
-    else:
-        config.loss_weights = {"dirl": 0.03, "ccr": 0.05}
+    if not preset.startswith("synthetic"):
+        _, _, batch, steps = common.MEDIC_PRESETS[preset]
+        config.loss_weights.update({"dirl": 0.03, "ccr": 0.05})
         config.batch_size = batch or config.batch_size
         config.num_train_steps = steps or config.num_train_steps
-    config.loss_weights.update({"change_cls": 0.1, "change_type_cls": 0.1,
-                                "expert_disentangle": disentangle,
-                                "expert_consistency": consistency})
 
 
 def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:

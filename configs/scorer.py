@@ -33,6 +33,15 @@ docs/ablations.md; each switches exactly the fields ABLATIONS names):
   heads{1,2,4,8,16}      Fig. 4: model.encoder_heads (the SCORER layers' heads).
   layers{1,2,3,4}        Fig. 5: model.encoder_layers.
 
+MEDIC plug-in (docs/models.md "MEDIC on SCORER+CBR"), appended as ``PRESET/medic``: SCORER +
+MEDIC, the MEDIC paper's claim (its official code has no SCORER configuration): the router and
+experts read X1 and X2, the last SCORER layer's outputs, and the experts' features join the
+fusion into the decoder memory. The plug-in's settings and MEDIC's loss weights are DIRL+MEDIC's
+(configs/common.py ``MEDIC_PRESETS``: cls 0.1 / type 0.1 / disentangle / consistency); SCORER's
+own weights, batch, learning rate and iterations stay the preset's (MEDIC's run scripts'
+batch and iterations are DIRL's). Spot-the-Diff and Image Editing Request as built here have
+no change types and are refused.
+
 Layer numbers: the paper (Fig. 5 text) sets "2, 1, 3, and 2 on four datasets", in the order of
 its Table 8 (CLEVR-Change, CLEVR-DC, Spot-the-Diff, IER); "the layer number is the deepest on
 Spot-the-Diff" confirms that order. Decoder: 8 heads, 2 layers on all four (paper §4.3).
@@ -154,5 +163,8 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config.optim.frozen = ("cbr",)  # S-Q1: the official optimiser never updates CBR
     # core.embed has padding_idx=0: torch zeroes row 0's gradient (its value is N(0, 0.02)).
     config.optim.zero_grad_rows = {"decoder/embed/embedding": 0}
-    apply_ablation(config, ablation or "scorer_cbr")
+    if ablation == "medic":
+        common.add_medic_plugin(config, preset)
+    else:
+        apply_ablation(config, ablation or "scorer_cbr")
     return config

@@ -148,6 +148,7 @@ PER_MODEL_FILES = {"changecap_jax/models/__init__.py", "changecap_jax/convert/re
                    "changecap_jax/tools/reproduce/adapters.py",
                    "changecap_jax/tools/reproduce/idc_pcl.py",
                    "changecap_jax/tools/reproduce/idc_pretrain.py",
+                   "changecap_jax/tools/reproduce/medic.py",
                    "changecap_jax/tools/reproduce/registry.py",
                    "changecap_jax/models/idc_pcl_pretraining.py",
                    *(f"changecap_jax/models/{name}.py" for name in

@@ -139,3 +139,47 @@ def test_eight_devices_equal_one_through_the_trunk(tmp_path):
     metrics = assert_eight_devices_equal_one(config, tmp_path)
     for name in medic.LOSSES:
         assert np.isfinite(metrics[f"loss/{name}"]), (name, sorted(metrics))
+
+
+def test_router_accuracy_in_the_trainers_evaluation(tmp_path, monkeypatch):
+    """The trainer's evaluation of val with DIRL+MEDIC: its metrics (and the metrics file)
+    carry the router's change accuracy over every pair of both streams and its type accuracy
+    over the semantic pairs, equal to the router applied by hand; DIRL without the plug-in
+    has no router evaluator. (The Java caption scorers are stubbed: test_evaluation.py's.)"""
+    import json
+
+    from changecap_jax.evaluators import captions, common
+    from changecap_jax.models import contract
+    from changecap_jax.trainers import captioning
+
+    config = dirl_config.get_config("synthetic/medic")
+    config.model.update(TINY)
+    config.model.medic.update(memory_size=6, classifier_hidden=8)
+    config = tiny_run(config, str(tmp_path / "data"), spice="off")
+    monkeypatch.setattr(captions, "evaluate_pairs", lambda records, spice: {"CIDEr": 0.0})
+    trainer = captioning.Trainer(config, tmp_path / "run")
+    state = trainer.init_state()
+    metrics = trainer.evaluate(state, "val", 0)
+    router = metrics["router"]
+    assert router == json.loads((tmp_path / "run" / "metrics" / "val_0.json").read_text()
+                                )["router"]
+    val = trainer.dataset.split("val")
+    records = [val[i] for i in range(len(val))]
+    stack = lambda key: jnp.asarray(np.stack([r[key] for r in records]), jnp.float32)
+    model = trainer.model
+    correct, typed, typed_correct = 0, 0, 0
+    for after, label in (("after_semantic", 1), ("after_distractor", 0)):
+        change, types = model.apply({"params": state.params}, stack("before"), stack(after),
+                                    method=model.classify_change)
+        correct += int(np.sum(np.argmax(change, -1) == label))
+        if label:
+            ct = np.asarray([int(r["change_type"]) for r in records])
+            typed = int(np.sum(ct >= 0))
+            typed_correct = int(np.sum((np.argmax(types, -1) == ct)[ct >= 0]))
+    assert router["num_pairs"] == 2 * len(records) and router["num_typed_pairs"] == typed > 0
+    assert router["change_accuracy"] == pytest.approx(100.0 * correct / (2 * len(records)))
+    assert router["type_accuracy"] == pytest.approx(100.0 * typed_correct / typed)
+    plain = _model(with_medic=False)
+    assert contract.change_router(plain) is None
+    assert not any(isinstance(e, common.ChangeRouterAccuracy) for e in common.choose(
+        config, trainer.dataset, plain, jnp.float32, ("semantic", "distractor")))

@@ -80,30 +80,15 @@ def _ours() -> dirl.DIRLCCR:
         medic={"dataset_types": list(medic.TYPE_NAMES)})
 
 
-def _medic_entries(states: dict) -> dict[str, np.ndarray]:
-    out = {}
-    for key, value in states.items():
-        path = key.replace("expert_modules_change.", "experts_").replace(
-            "expert_module_no_change", "no_change_expert")
-        if "classifier" in key:
-            *mod, idx, leaf = key.split(".")
-            value = value.transpose(2, 3, 1, 0) if leaf == "weight" else value
-            path = f"{mod[0]}/conv_{idx}/{'kernel' if leaf == 'weight' else 'bias'}"
-        elif "memory" not in key:
-            continue
-        out["medic/" + path.replace(".", "/")] = value
-    return out
-
-
 def _to_ours(det_state: dict, spk_state: dict, model: dirl.DIRLCCR) -> dict:
     sizes = tables.Sizes(vocab_size=V, max_len=L, feature_channels=C, grid_height=H,
                          grid_width=W, origin="test")
     cfg = types.SimpleNamespace(**{f: getattr(model, f) for f in (
         "variant", "hidden_dim", "use_coordinates", "word_dim", "ffn_dim", "mlp_hidden_dim",
-        "encoder_layers", "decoder_layers", "max_len")})
+        "encoder_layers", "decoder_layers", "max_len", "medic")})
+    # The converter's key table (MEDIC's keys included), without its checks: gradients too.
     flat = tables.apply_table(dirl_converter.table(cfg, sizes),
                               {ENCODER: det_state, DECODER: spk_state})
-    flat.update(_medic_entries(det_state))
     for axis, n in (("w", W), ("h", H)):  # the official tables have 14 rows; we use the grid's
         key = f"encoder/pos_embedding/{axis}_embedding"
         flat[key] = flat[key][:n]
@@ -115,13 +100,13 @@ def _numpy_state(module, grads: bool = False) -> dict:
     return {k: value(p).detach().numpy().copy() for k, p in module.named_parameters()}
 
 
-def _batch(rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _batch(rng: np.random.Generator, grid: int = H) -> dict[str, np.ndarray]:
     ids = np.zeros((B, L), np.int64)
     for b in range(B):
         n = rng.integers(3, L)
         ids[b, :n] = np.concatenate([[2], rng.integers(4, V, n - 2), [3]])
-    return {"before": rng.normal(size=(B, H, W, C)).astype(np.float32),
-            "after_semantic": rng.normal(size=(B, H, W, C)).astype(np.float32),
+    return {"before": rng.normal(size=(B, grid, grid, C)).astype(np.float32),
+            "after_semantic": rng.normal(size=(B, grid, grid, C)).astype(np.float32),
             "change_caption": ids, "change_type": LABELS}
 
 
@@ -155,7 +140,8 @@ def _our_forward(model, params, batch):
         before = m.encoder.embed_image(b["before"], train=True)
         enc = m.encoder(before, b["after_semantic"], train=True)
         labels = medic.medic_labels(b["change_type"], medic.TYPE_NAMES, no_change=False)
-        out = m.plugin(enc.diff_before, enc.diff_after, (H, W), labels, train=True)
+        out = m.plugin(enc.diff_before, enc.diff_after, b["before"].shape[1:3], labels,
+                       train=True)
         return {"diff_before": enc.diff_before, "diff_after": enc.diff_after,
                 "features": out.features, "change_logits": out.change_logits,
                 "type_logits": out.type_logits}
@@ -189,7 +175,8 @@ def _greedy_ours(model, params, batch):
     def memory(m, b):
         before = m.encoder.embed_image(b["before"], train=False, with_mlp=False)
         enc = m.encoder(before, b["after_semantic"], train=False)
-        return m._memory(enc, (H, W), b["change_type"], train=False)[0]  # official labels
+        grid = b["before"].shape[1:3]
+        return m._memory(enc, grid, b["change_type"], train=False)[0]  # official labels
 
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     mem = model.apply({"params": params}, jb, method=memory)
@@ -252,4 +239,82 @@ def test_forward_losses_gradients_and_greedy_ids_match_the_official_code(monkeyp
     ids_t, ids = _greedy_official(det, spk, batch), _greedy_ours(model, params, batch)
     report["greedy_ids_mismatches"] = int((ids_t != ids).sum())
     print("greedy ids: shape", ids.shape, "mismatches", report["greedy_ids_mismatches"])
+    np.testing.assert_array_equal(ids, ids_t)
+
+
+def _official_attr_dict(tree: types.SimpleNamespace) -> object:
+    """``tree`` as the official config class (``utils/attr_dict.py`` AttrDict), which the train
+    script pickles as ``model_cfg``."""
+    sys.path.insert(0, OFFICIAL)
+    try:
+        from utils.attr_dict import AttrDict
+    finally:
+        sys.path.remove(OFFICIAL)
+    convert = lambda x: AttrDict({k: convert(v) for k, v in vars(x).items()}) \
+        if isinstance(x, types.SimpleNamespace) else x
+    return convert(tree)
+
+
+def test_a_checkpoint_saved_as_the_train_script_does_converts(tmp_path, monkeypatch):
+    """A checkpoint dict as ``train/train_chg_final.py`` saves it (change_detector_state,
+    speaker_state, optimizer_state, lr_scheduler_state, scaler_state, iteration, epoch,
+    model_cfg), converted by the command's code path into a workdir for
+    ``configs/dirl.py:clevr_dc/medic`` (tiny sizes): every loss term, the routing logits and
+    expert output, and the greedy ids of the converted workdir equal the official modules'.
+    The official encoder's grid tables have 14 rows: the batch is on a 14 x 14 grid."""
+    from changecap_jax.convert import compare, converter
+    from configs import dirl as dirl_config
+
+    det, spk = _official_modules()
+    easydict = types.ModuleType("easydict")  # scheduler.py imports it; only its name is needed
+    easydict.EasyDict = dict
+    monkeypatch.setitem(sys.modules, "easydict", easydict)
+    sys.path.insert(0, OFFICIAL)
+    try:
+        from scheduler import build_scheduler
+    finally:
+        sys.path.remove(OFFICIAL)
+    optimizer = torch.optim.Adam([*det.parameters(), *spk.parameters()], lr=1e-4)
+    scheduler = build_scheduler(types.SimpleNamespace(
+        type_name="PolyLR", keywords={"gamma": 0.9, "n_iteration": 100}), optimizer)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    path = tmp_path / "medic_checkpoint_1200.pt"
+    torch.save({"change_detector_state": det.state_dict(), "speaker_state": spk.state_dict(),
+                "optimizer_state": optimizer.state_dict(),
+                "lr_scheduler_state": scheduler.state_dict(),
+                "scaler_state": scaler.state_dict(), "iteration": 1200, "epoch": 3,
+                "model_cfg": _official_attr_dict(_official_cfg())}, path)
+    config = dirl_config.get_config("clevr_dc/medic")
+    config.model.update(hidden_dim=HID, num_heads=HEADS, encoder_layers=1, decoder_layers=1,
+                        word_dim=8, ffn_dim=4 * HID, mlp_hidden_dim=4 * HID, dropout_rate=0.0,
+                        pairs="semantic_only")
+    config.dataset.data_dir = str(tmp_path / "no_data")
+    config.decode.max_len = L
+    report = converter.convert_checkpoint(config, path, tmp_path / "workdir")
+    assert report.step == 1200
+    params = compare.load_params(tmp_path / "workdir")
+    assert params["medic"]["change_classifier"]["conv_0"]["kernel"].shape == (3, 3, 2 * HID, 512)
+    model = converter.build_model(config, tables.Sizes(V, L, C, 14, 14, "test"))
+
+    batch = _batch(np.random.default_rng(3), grid=14)
+    ours_batch = dict(batch, change_type=np.where(LABELS == 5, -2, LABELS).astype(np.int32))
+    monkeypatch.setattr(medic, "medic_labels", lambda change_type, *a, **k: jnp.where(
+        change_type == -2, len(medic.TYPE_NAMES), change_type))
+    probes_t: dict = {}
+    with torch.no_grad():
+        terms_t = _official_forward(det, spk, batch, probes_t)
+    terms, _, probes = _our_forward(model, params, ours_batch)
+    report = {f"loss/{k}": abs(float(terms[k]) - v.item()) for k, v in terms_t.items()}
+    for name, ref in terms_t.items():
+        np.testing.assert_allclose(float(terms[name]), ref.item(), err_msg=name, **TOL)
+    rows = np.asarray(((probes_t["change_logits"].argmax(-1) == 1)
+                       & (torch.tensor(LABELS) != 5)).numpy())
+    probes["type_logits"] = probes["type_logits"][rows]
+    for name, ref in probes_t.items():
+        ref = ref.detach().numpy()
+        report[name] = float(np.max(np.abs(np.asarray(probes[name]) - ref)))
+        np.testing.assert_allclose(np.asarray(probes[name]), ref, err_msg=name, **TOL)
+    ids_t, ids = _greedy_official(det, spk, batch), _greedy_ours(model, params, batch)
+    report["greedy_ids_mismatches"] = int((ids_t != ids).sum())
+    print("converted workdir vs official, max |diff|:", report)
     np.testing.assert_array_equal(ids, ids_t)

@@ -50,6 +50,11 @@ def test_capability_accessors():
     assert contract.post_update_fn(idc) is None
     assert contract.distractor_classifier(idc) is not None
     assert contract.distractor_classifier(scorer) is None
+    dirl = models.MODELS["dirl"]
+    assert contract.change_router(dirl(vocab_size=10, max_len=8)) is None  # MEDIC off
+    router = contract.change_router(dirl(vocab_size=10, max_len=8,
+                                         medic={"dataset_types": ["add"]}))
+    assert router is not None and router[1] == ("color", "material", "add", "drop", "move")
     with pytest.raises(ValueError, match="unknown capability"):
         contract.has_capability(scorer, "fly")
 

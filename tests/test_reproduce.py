@@ -2,7 +2,8 @@
 official checkouts: the project's torch reference (tools/torch_reference) laid out as
 tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_helpers/official_layout.py), at tiny sizes.
 With CHANGECAP_OFFICIAL_DIRL / CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same
-comparison runs against them.
+comparison runs against them; with CHANGECAP_OFFICIAL_MEDIC, DIRL+MEDIC (VisualAIKHU/MEDIC) in
+float64.
 
 Checked: the losses, learning rates, gradient norms and parameters of both sides agree step by
 step (DIRL from the built-in synthetic dataset through the input pipeline, with a decaying
@@ -254,6 +255,27 @@ def test_real_official_checkout(model, tmp_path):
     options = run.Options(Path(checkout), steps=2, batch_size=2,
                           **{**RANDOM, "feature_shape": shape})
     check_agreement(run.compare(config, options), 2)
+
+
+@pytest.mark.parametrize(("preset", "steps"), [("clevr_change/medic", 5), ("clevr_dc/medic", 2)])
+def test_dirl_medic_against_the_real_checkout(preset, steps, x64_restored):
+    """DIRL+MEDIC (VisualAIKHU/MEDIC train/train_chg_final.py with both pairs and coordinates,
+    train_dc_std_final.py with one pair) in float64 at tiny sizes (MEDIC's fixed 100 slots and
+    512-channel classifiers): every term, MEDIC's four included, to 1e-9 and the parameters
+    to 1e-12; on CLEVR-Change past step 4, where the router first sends pairs to the change
+    experts (the type loss turns on: the step that parts the sides with torch 2's
+    set-to-None zero_grad, docs/reproduce.md)."""
+    checkout = official_layout.real_checkout("medic")
+    config = tiny_config("dirl", preset)
+    result = run.compare(config, run.Options(Path(checkout), steps=steps, batch_size=8,
+                                             precision="float64", **RANDOM))
+    for name, value in result.summary["max_rel_diff"].items():
+        assert value <= 1e-9, (name, value)
+    assert all(r["param_max_abs_diff"] <= 1e-12 for r in result.rows), result.rows
+    assert result.summary["lr_equal"]
+    if preset.startswith("clevr_change"):
+        assert any(r["change_type_cls_official"] > 0 for r in result.rows), result.rows
+    assert any("PolyLR" in n for n in result.notes), result.notes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,3 +66,18 @@ def test_a_missing_sweep_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("values,text", [([3.0], "3.0"), ([1.0, 3.0], "2.0 ± 1.4")])
 def test_cell(values, text):
     assert seed_table.cell(values) == text
+
+
+def test_a_group_slash_key_column_names_its_own_metric(tmp_path, capsys):
+    sweep = _sweep(tmp_path, "dirl", "seed", {1: (90.0, 10.0), 2: (100.0, 20.0)})
+    for seed, accuracy in ((1, 80.0), (2, 90.0)):
+        metrics = sweep / f"seed={seed}" / "metrics" / "test_1000.json"
+        data = json.loads(metrics.read_text())
+        data["router"] = {"change_accuracy": accuracy, "type_accuracy": None}
+        metrics.write_text(json.dumps(data))
+    assert seed_table.main([str(sweep), "--columns=total,router/change_accuracy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| config | seeds | total | router/change_accuracy |"
+    assert lines[2].endswith("| 95.0 ± 7.1 | 85.0 ± 7.1 |")
+    assert seed_table.main([str(sweep), "--columns=router/type_accuracy"]) == 2
+    assert capsys.readouterr().err.endswith("has no type_accuracy for 'router'\n")

@@ -134,3 +134,12 @@ def test_a_run_with_other_arguments_is_an_error(tmp_path, ended):
         variant.workdir / "metrics/test_3.json" if ended else None)
     with pytest.raises(sweep.SweepError, match="other arguments"):
         sweep.finished(variant, ["--config=b.py"])
+
+
+def test_a_group_metric_is_read_by_its_slash_path(tmp_path):
+    path = tmp_path / "test_5.json"
+    path.write_text(json.dumps({"CIDEr": 90.0, "router": {"change_accuracy": 75.0}}))
+    assert sweep.metric_value(path, "router/change_accuracy") == 75.0
+    assert sweep.metric_value(path, "CIDEr") == 90.0
+    with pytest.raises(sweep.SweepError, match="it has CIDEr, router/..."):
+        sweep.metric_value(path, "router/type_accuracy")

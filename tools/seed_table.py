@@ -7,8 +7,10 @@
 Each SWEEP_DIR is the output of ``python -m changecap_jax sweep --param=seed --values=...``
 (its ``sweep.json``); each of its runs' final metrics file gives one value per column: the
 metric of all pairs (``total``) or of one group of them (``semantic``, ``no_change`` or a
-change type). A cell is ``mean ± std`` over the seeds (the sample standard deviation, n - 1),
-scores x100 as in the metrics files. Reads JSON only (no JAX).
+change type); a column GROUP/KEY names its own metric, KEY of the metrics file's GROUP
+(e.g. ``router/change_accuracy``, a change router's accuracy). A cell is ``mean ± std`` over
+the seeds (the sample standard deviation, n - 1), scores x100 as in the metrics files. Reads
+JSON only (no JAX).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def seed_values(sweep_dir: Path, metric: str, columns: Sequence[str]
         metrics = read_json(path, "metrics file")
         seeds.append(row["value"])
         for column in columns:
-            group = metrics if column == "total" else metrics.get(column)
-            if not isinstance(group, dict) or metric not in group:
-                raise SeedTableError(f"{path} has no {metric} for {column!r}")
-            values[column].append(float(group[metric]))
+            name, key = column.split("/", 1) if "/" in column else (column, metric)
+            group = metrics if name == "total" else metrics.get(name)
+            if not isinstance(group, dict) or not isinstance(group.get(key), int | float):
+                raise SeedTableError(f"{path} has no {key} for {name!r}")
+            values[column].append(float(group[key]))
     if not seeds:
         raise SeedTableError(f"{sweep_dir / 'sweep.json'} lists no runs")
     return config, seeds, values

@@ -216,13 +216,18 @@ def run_variant(variant: Variant, args: Sequence[str], split: str) -> Path:
 
 
 def metric_value(metrics_file: Path, metric: str) -> float:
-    """``metric`` of a metrics file (a missing one names the metrics it has)."""
+    """``metric`` of a metrics file: a top-level key ("CIDEr") or GROUP/KEY of a group
+    ("router/change_accuracy", "idc/CIDEr"); a missing one names the metrics it has."""
     metrics = read_json(metrics_file, "metrics file")
-    if not isinstance(metrics.get(metric), int | float):
+    node: Any = metrics
+    for part in metric.split("/"):
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, int | float):
         have = sorted(k for k, v in metrics.items() if isinstance(v, int | float))
+        groups = sorted(f"{k}/..." for k, v in metrics.items() if isinstance(v, dict))
         raise SweepError(f"--metric={metric}: {metrics_file} has no such metric; it has "
-                         f"{', '.join(have)}")
-    return float(metrics[metric])
+                         f"{', '.join(have + groups)}")
+    return float(node)
 
 
 # -- the table and the plot -----------------------------------------------------------------

@@ -10,7 +10,8 @@ Appendices: same folder):
 
 * ``nn.Linear`` weight (out, in) -> Dense ``kernel`` (in, out) = transpose; bias unchanged;
 * 1x1 ``nn.Conv2d`` weight (out, in, 1, 1) -> Dense ``kernel`` = W[:, :, 0, 0].T (our models
-  apply the 1x1 convs as a Dense over the channels of channels-last grids, §7 item 1);
+  apply the 1x1 convs as a Dense over the channels of channels-last grids, §7 item 1); a
+  larger one (MEDIC's 3x3 classifiers) -> ``nn.Conv`` ``kernel`` = W.transpose(2, 3, 1, 0);
 * ``nn.MultiheadAttention`` ``in_proj_weight`` (3E, E) -> rows [0:E] / [E:2E] / [2E:3E] as the
   ``q_proj`` / ``k_proj`` / ``v_proj`` kernels (transposed); ``in_proj_bias`` thirds -> their
   biases; ``out_proj.weight/bias`` -> ``out_proj`` kernel (transposed) / bias;
@@ -67,6 +68,7 @@ COPY = Transform("copy", lambda x: x)
 TRANSPOSE = Transform("transpose", lambda x: x.T)
 CONV1X1 = Transform("[:, :, 0, 0].T", lambda x: x[:, :, 0, 0].T)
 SCALAR = Transform("0-d", lambda x: x.reshape(()))
+CONV_KERNEL = Transform("transpose(2, 3, 1, 0)", lambda x: x.transpose(2, 3, 1, 0))
 
 
 def in_proj_part(index: int, embed_dim: int, *, weight: bool) -> Transform:
@@ -185,6 +187,17 @@ def conv1x1(source: str, key: str, path: str, d_in: Dim, d_out: Dim) -> list[Ent
     return [
         Entry(source, f"{key}.weight", (d_out, d_in, one, one),
               (Target(f"{path}/kernel", CONV1X1),)),
+        Entry(source, f"{key}.bias", (d_out,), (Target(f"{path}/bias", COPY),)),
+    ]
+
+
+def conv2d(source: str, key: str, path: str, d_in: Dim, d_out: Dim, size: int) -> list[Entry]:
+    """A ``size`` x ``size`` ``nn.Conv2d`` -> ``nn.Conv``: weight (out, in, kh, kw) -> kernel
+    (kh, kw, in, out); bias. Both cross-correlate, so no flip."""
+    k = Dim(size, f"{size}x{size} kernel")
+    return [
+        Entry(source, f"{key}.weight", (d_out, d_in, k, k),
+              (Target(f"{path}/kernel", CONV_KERNEL),)),
         Entry(source, f"{key}.bias", (d_out,), (Target(f"{path}/bias", COPY),)),
     ]
 

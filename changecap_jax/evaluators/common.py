@@ -11,6 +11,9 @@ distractor judge runs everywhere, host bookkeeping on process 0 only) and
 - :class:`DistractorAccuracy`: the held-out accuracy of a model's distractor classifier
   (reference §5.6 val pass), for models with ``classify_distractor`` evaluated on distractor
   pairs.
+- :class:`ChangeRouterAccuracy`: a change router's held-out change accuracy (every pair: is
+  there a change) and type accuracy (the changed pairs with a known type), for models whose
+  ``classify_change`` capability is on (e.g. a MEDIC plug-in, docs/models.md).
 - :class:`IdcProtocol`: the IDC code's scoring of the same captions, when
   ``config.eval_protocols`` includes "idc".
 - :class:`EntityOutput`: the retrieved entity texts of each pair, for datasets with entities.
@@ -127,6 +130,56 @@ class DistractorAccuracy:
         n = self.num_pairs
         return {"distractor": {"accuracy": 100.0 * self.correct / n, "loss": self.loss / n,
                                "num_pairs": n}}
+
+
+class ChangeRouterAccuracy:
+    """A change router's accuracy on the split: change accuracy over every real pair of every
+    stream (the pair's label: 1 = change on the semantic stream, 0 on the distractor one, as
+    ``DISTRACTOR_LABELS``), type accuracy (argmax of the type logits) over the semantic pairs
+    whose change type (``DatasetMeta.change_types``, by name) is one of the router's types.
+    Accuracies x100; ``type_accuracy`` is None when no pair has a known type."""
+
+    def __init__(self, model: Any, compute_dtype: Any, dataset_types: tuple[str, ...]):
+        self.extra: dict[str, dict[str, Any]] = {}
+        method, names = contract.change_router(model)
+        # dataset change-type index -> router type index (-1: none), by name
+        self.type_of = [names.index(t) if t in names else -1 for t in dataset_types]
+
+        def route(params: Any, before: jax.Array, after: jax.Array) -> jax.Array:
+            change, types = model.apply(*precision.cast_floating(
+                ({"params": params}, before, after), compute_dtype), method=method)
+            return jnp.argmax(change, -1), jnp.argmax(types, -1)
+
+        self.route = inference_jit(route)
+
+    def start(self, split: str) -> None:
+        self.change_correct = self.num_pairs = self.type_correct = self.num_typed = 0
+
+    def add(self, batch: EvalBatch) -> None:
+        predicted = {s: tuple(to_host(x) for x in self.route(
+            batch.params, batch.arrays["before"], batch.arrays[after]))
+            for s, after in batch.after.items()}
+        if batch.real_rows is None:
+            return
+        for s, (change, _) in predicted.items():
+            self.change_correct += int(np.sum(change[batch.real_rows] == DISTRACTOR_LABELS[s]))
+            self.num_pairs += len(batch.real_rows)
+        if "semantic" not in predicted:
+            return
+        semantic = [record for s, record, _ in batch.pairs if s == "semantic"]
+        for j, record in zip(batch.real_rows, semantic, strict=True):
+            ct = int(record["change_type"])
+            label = self.type_of[ct] if 0 <= ct < len(self.type_of) else -1
+            if label >= 0:
+                self.type_correct += int(predicted["semantic"][1][j] == label)
+                self.num_typed += 1
+
+    def finish(self, records: list[captions.PairCaption]) -> dict[str, Any]:
+        n, typed = self.num_pairs, self.num_typed
+        return {"router": {
+            "change_accuracy": 100.0 * self.change_correct / n if n else None,
+            "type_accuracy": 100.0 * self.type_correct / typed if typed else None,
+            "num_pairs": n, "num_typed_pairs": typed}}
 
 
 class IdcProtocol:
@@ -284,6 +337,9 @@ def choose(config: ml_collections.ConfigDict, dataset: Any, model: Any, compute_
     chosen: list[Evaluator] = [CaptionMetrics(config.spice, dataset)]
     if "distractor" in streams and contract.has_capability(model, contract.CLASSIFY_DISTRACTOR):
         chosen.append(DistractorAccuracy(model, compute_dtype))
+    if contract.change_router(model) is not None:
+        chosen.append(ChangeRouterAccuracy(model, compute_dtype,
+                                           tuple(dataset.meta.change_types)))
     if "idc" in tuple(config.get("eval_protocols", ("coco",))):
         chosen.append(IdcProtocol())
     if dataset.entities is not None:

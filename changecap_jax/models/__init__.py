@@ -49,6 +49,10 @@ def model_class(name: str) -> type:
 
 
 def build(model_config: ml_collections.ConfigDict, *, vocab_size: int, max_len: int) -> Any:
-    """Instantiates the class of ``model_config.name`` with the config's other fields."""
-    fields = dict(model_config)
+    """Instantiates the class of ``model_config.name`` with the config's other fields; a
+    nested group (a plug-in's fields, e.g. ``model.medic``) comes frozen, so that the model
+    stays hashable (it is a static argument of the jitted decoding)."""
+    group = dict | ml_collections.ConfigDict
+    fields = {k: ml_collections.FrozenConfigDict(v) if isinstance(v, group) else v
+              for k, v in dict(model_config).items()}
     return model_class(fields.pop("name"))(vocab_size=vocab_size, max_len=max_len, **fields)

@@ -21,7 +21,13 @@ capabilities (:data:`CAPABILITIES`):
   distractor classifier whose held-out accuracy evaluation reports (1 = semantic change);
 * ``"check_dataset"``: ``check_dataset(meta) -> None``, called with the dataset's
   ``DatasetMeta`` when the experiment is built; raises a one-line ``UserError`` when the dataset
-  lacks what the model needs (e.g. MEDIC's change-type labels).
+  lacks what the model needs (e.g. MEDIC's change-type labels);
+* ``"classify_change"``: ``classify_change(before, after) -> (change_logits (B, 2),
+  type_logits (B, K))``, a change router (1 = change; K change types) whose held-out change and
+  type accuracy evaluation reports, and ``change_type_names`` (a property: the K type names,
+  matched by name with ``DatasetMeta.change_types``). A router that the configuration switches
+  on (a plug-in such as MEDIC) is declared by its host class; an instance whose configuration
+  has none says so with an empty ``change_type_names``, and the trunk then evaluates nothing.
 
 :class:`TrunkModel` gives a model the defaults of the declared attributes (the trunk
 vocabulary's token conventions, no extra tokens, no conditioning, streams from the ``pairs``
@@ -44,7 +50,8 @@ Array = jax.Array
 POST_UPDATE = "post_update"
 CLASSIFY_DISTRACTOR = "classify_distractor"
 CHECK_DATASET = "check_dataset"
-CAPABILITIES = (POST_UPDATE, CLASSIFY_DISTRACTOR, CHECK_DATASET)
+CLASSIFY_CHANGE = "classify_change"
+CAPABILITIES = (POST_UPDATE, CLASSIFY_DISTRACTOR, CHECK_DATASET, CLASSIFY_CHANGE)
 
 
 @runtime_checkable
@@ -125,6 +132,15 @@ def dataset_check(model: Any) -> Callable[[Any], None] | None:
     """The model's declared ``check_dataset(meta)`` (raises a one-line UserError when the
     dataset lacks what the model needs, e.g. change-type labels), or None."""
     return model.check_dataset if has_capability(model, CHECK_DATASET) else None
+
+
+def change_router(model: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
+    """The model's declared ``classify_change`` method (for ``model.apply(..., method=...)``)
+    and its change types' names, or None (not declared, or this instance has no router)."""
+    if not has_capability(model, CLASSIFY_CHANGE):
+        return None
+    names = tuple(model.change_type_names)
+    return (model.classify_change, names) if names else None
 
 
 def model_streams(model: Any) -> tuple[str, ...]:

@@ -372,14 +372,6 @@ class CCRDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def _change_type(batch: dict[str, Array]) -> Array:
-    """The batch's ``change_type``; -1 (a change of unknown type) in the example batches of
-    ``model.init``, which carry only the stream fields."""
-    if "change_type" in batch:
-        return batch["change_type"]
-    return jnp.full(batch["before"].shape[:1], -1, jnp.int32)
-
-
 class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
     """DIRL encoder + CCR decoder; every hyperparameter is a field (defaults = the paper).
 
@@ -390,7 +382,8 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
-    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CHECK_DATASET})
+    capabilities: ClassVar[frozenset[str]] = frozenset({contract.CHECK_DATASET,
+                                                        contract.CLASSIFY_CHANGE})
 
     vocab_size: int
     max_len: int
@@ -453,9 +446,8 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
         logits, targets, dirl, ccr, plugin = {}, {}, [], [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
             enc = self.encoder(before, self._features(after), train=train)
-            labels = None if self.plugin is None else medic.medic_labels(
-                _change_type(batch), self.medic["dataset_types"],
-                no_change=stream == "distractor", type_names=self.plugin.type_names)
+            labels = None if self.plugin is None else medic.stream_labels(
+                batch, self.medic, stream, self.plugin.type_names)
             if self.use_dirl:
                 dirl.append(
                     losses.barlow_correlation_loss(
@@ -494,9 +486,21 @@ class DIRLCCR(contract.TrunkModel, DelegatedDecoding):
 
     def check_dataset(self, meta: Any) -> None:
         """Capability ``check_dataset``: MEDIC refuses a dataset without its change types."""
-        if medic.enabled(self.medic):
-            medic.check_change_types(meta.change_types, self.medic["dataset_types"],
-                                     self.medic.get("type_names", medic.TYPE_NAMES))
+        medic.check_host_dataset(self.medic, meta)
+
+    @property
+    def change_type_names(self) -> tuple[str, ...]:
+        """Capability ``classify_change``: MEDIC's type names; empty without the plug-in."""
+        return medic.type_names(self.medic)
+
+    def classify_change(self, before: Array, after: Array) -> tuple[Array, Array]:
+        """Capability ``classify_change``: MEDIC's router on the pair's difference features
+        (eval mode): change logits (B, 2), 1 = change, and type logits (B, K)."""
+        if self.plugin is None:
+            raise ValueError("classify_change needs model.medic (this DIRL has no router)")
+        embedded = self.encoder.embed_image(self._features(before), train=False, with_mlp=False)
+        enc = self.encoder(embedded, self._features(after), train=False)
+        return self.plugin.route(enc.diff_before, enc.diff_after, tuple(after.shape[1:3]))
 
     # ---- decoding protocol (init_cache, decode_step, decode: DelegatedDecoding) -------
 

@@ -108,6 +108,25 @@ def medic_labels(change_type: Array, dataset_types: Sequence[str], *, no_change:
     return table[jnp.where(change_type < 0, len(dataset_types), change_type)]
 
 
+def stream_labels(batch: Mapping[str, Array], medic: Mapping[str, Any], stream: str,
+                  type_names: Sequence[str] = TYPE_NAMES) -> Array:
+    """A host's MEDIC labels of one caption stream of ``batch`` (``medic``: the host's
+    ``config.model.medic``). The batch's ``change_type``, or -1 (a change of unknown type) in
+    the example batches of ``model.init``, which carry only the stream fields."""
+    change_type = (batch["change_type"] if "change_type" in batch
+                   else jnp.full(batch["before"].shape[:1], -1, jnp.int32))
+    return medic_labels(change_type, medic["dataset_types"], no_change=stream == "distractor",
+                        type_names=type_names)
+
+
+def check_host_dataset(medic: Mapping[str, Any] | None, meta: Any) -> None:
+    """A host's capability ``check_dataset``: refuses (one line) a dataset without the change
+    types its plug-in needs; nothing to check when the plug-in is off."""
+    if enabled(medic):
+        check_change_types(meta.change_types, medic["dataset_types"],
+                           medic.get("type_names", TYPE_NAMES))
+
+
 # ---- the experts (paper: key-value memory experts) -------------------------------------------
 
 
@@ -225,6 +244,13 @@ class MEDIC(nn.Module):
         self.experts = [ExpertMemory(self.memory_size, 2 * self.dim) for _ in range(k)]
         self.no_change_expert = ExpertMemory(self.memory_size, 2 * self.dim)
 
+    def route(self, diff_before: Array, diff_after: Array, grid_hw: tuple[int, int]
+              ) -> tuple[Array, Array]:
+        """The router alone (method step 2): change logits (B, 2) and type logits (B, K)."""
+        paired = jnp.concatenate([diff_before, diff_after], axis=-1)  # (B, N, 2D)
+        paired_map = paired.reshape(paired.shape[0], *grid_hw, paired.shape[-1])
+        return self.change_classifier(paired_map), self.type_classifier(paired_map)
+
     def __call__(self, diff_before: Array, diff_after: Array, grid_hw: tuple[int, int],
                  labels: Array | None = None, *, train: bool = False,
                  axis_name: str | None = None) -> MEDICOutput:
@@ -233,9 +259,7 @@ class MEDIC(nn.Module):
         batch)."""
         k = len(self.type_names)
         paired = jnp.concatenate([diff_before, diff_after], axis=-1)  # (B, N, 2D)
-        paired_map = paired.reshape(paired.shape[0], *grid_hw, paired.shape[-1])
-        change_logits = self.change_classifier(paired_map)
-        type_logits = self.type_classifier(paired_map)
+        change_logits, type_logits = self.route(diff_before, diff_after, grid_hw)
         p_change = jax.nn.softmax(change_logits / self.cls_temperature, axis=-1)
         is_change = jnp.argmax(p_change, axis=-1) == 1
         to_change, to_none = is_change, ~is_change
@@ -277,6 +301,12 @@ class MEDIC(nn.Module):
 def enabled(medic: Mapping[str, Any] | None) -> bool:
     """Whether a host's ``medic`` field (``config.model.medic``) switches the plug-in on."""
     return bool(medic) and bool(medic.get("enabled", True))
+
+
+def type_names(medic: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The change types of a host's ``medic`` field (empty when the plug-in is off): the names
+    of the router's type logits, in order."""
+    return tuple(medic.get("type_names", TYPE_NAMES)) if enabled(medic) else ()
 
 
 def from_config(medic: Mapping[str, Any] | None, dim: int) -> MEDIC | None:

@@ -39,6 +39,15 @@ Method
    every update :meth:`SCORERCBR.post_update` clamps the last layer's logit scale (and CBR's) to
    <= ln 100; the earlier layers' scales are never used (S-Q3).
 
+Plug-in: ``medic`` (``config.model.medic``; docs/models.md "MEDIC on SCORER+CBR",
+docs/adding_a_model.md "Plug-ins") switches on MEDIC (:mod:`changecap_jax.models.medic`). Its
+router and experts read X1 and X2, the outputs of the last SCORER layer: the paired features
+just before SCORER fuses them into one memory (step 4), as DIRL's diff_bef / diff_aft are just
+before its ``embed_fc``. Its expert features join the fusion as in MEDIC's
+``models/CCR_expert.py``, by concatenation: memory = ReLU(Dropout(Linear(cat(X1, X2, expert_bef,
+expert_aft)))), so ``encoder/embed_fc_0`` reads 4 x hidden; its losses join ``aux_losses``. The
+CBR target and X0 are untouched. Without ``medic`` the model is exactly the one above.
+
 Official checkpoints (tuyunbin/SCORER) convert with ``changecap_jax/convert/models/scorer.py``.
 
 Kernel row c of ``img_0`` is input channel c; with coordinates, rows C and C + 1 are the x and
@@ -53,6 +62,7 @@ Decoding protocol (used by :mod:`changecap_jax.decoding.search`): ``encode``, ``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
@@ -60,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from changecap_jax.data import streams
-from changecap_jax.models import contract, losses
+from changecap_jax.models import contract, losses, medic
 from changecap_jax.models.base import ModelOutput
 from changecap_jax.models.decoder import DelegatedDecoding, multi_head_attend, speaker_for
 from changecap_jax.models.dropout import Dropout
@@ -180,9 +190,11 @@ class ChangeDetector(nn.Module):
         """(B, H, W, C) -> X0 (B, H*W, hidden): 1x1 projection + grid PE (paper Eq. 1)."""
         return embed_grid(self.img_0, self.pos_embedding, grid)
 
-    def __call__(self, before: Array, after: Array, *, train: bool) -> EncoderOutput:
+    def __call__(self, before: Array, after: Array, *, train: bool,
+                 join: Callable[[Array, Array], Array] | None = None) -> EncoderOutput:
         """``before`` comes embedded, X0_bef (:meth:`embed`): the model embeds it once for both
-        pairs of an example; ``after`` is a grid (B, H, W, C)."""
+        pairs of an example; ``after`` is a grid (B, H, W, C). ``join(X1, X2)``: features a
+        plug-in concatenates to cat(X1, X2) before the fusion (MEDIC's experts), or None."""
         deterministic = not train
         x1_0 = before
         x2_0 = self.embed(after)
@@ -195,7 +207,8 @@ class ChangeDetector(nn.Module):
                 layer(x1, x2, deterministic=deterministic),
                 layer(x2, x1, deterministic=deterministic),
             )
-        fused = self.embed_fc_0(jnp.concatenate([x1, x2], axis=-1))
+        paired = [x1, x2] if join is None else [x1, x2, join(x1, x2)]
+        fused = self.embed_fc_0(jnp.concatenate(paired, axis=-1))
         memory = nn.relu(self.dropout(fused, deterministic=deterministic))
         return EncoderOutput(memory, x1_0, x2_0, (match1, match2))
 
@@ -332,7 +345,8 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
 
     # The decoder memory holds one slot per grid cell, from both images (models/base.py).
     MEMORY_LAYOUT: ClassVar[str] = "shared_grid"
-    capabilities: ClassVar[frozenset[str]] = frozenset({contract.POST_UPDATE})
+    capabilities: ClassVar[frozenset[str]] = frozenset({
+        contract.POST_UPDATE, contract.CHECK_DATASET, contract.CLASSIFY_CHANGE})
 
     vocab_size: int
     max_len: int
@@ -351,6 +365,8 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
     match_chunk_size: int = 8
     matching: str = "official"
     encoder_heads: int | None = None
+    # Plug-in (module docstring): MEDIC's fields and ``dataset_types``, or None (off).
+    medic: Any = None
 
     @property
     def scorer_heads(self) -> int:
@@ -370,6 +386,7 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
             layer_norm_eps=self.layer_norm_eps,
         )
         self.decoder = speaker_for(self)
+        self.plugin = medic.from_config(self.medic, self.hidden_dim)
         if self.use_cbr:
             self.cbr = CBR(self.hidden_dim, self.num_heads, self.cbr_mean_by_length)
 
@@ -386,9 +403,13 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
         match_loss = lambda m: losses.matching_contrastive_loss(
             m.query, m.key, m.logit_scale, axis_name=axis_name, chunk_size=self.match_chunk_size,
             matching=self.matching, num_heads=self.scorer_heads)
-        logits, targets, sim, cbr = {}, {}, [], []
+        logits, targets, sim, cbr, plugin = {}, {}, [], [], []
         for stream, after, ids in streams.stream_pairs(batch, self.streams):
-            enc = self.encoder(before, self._features(after), train=train)
+            labels = None if self.plugin is None else medic.stream_labels(
+                batch, self.medic, stream, self.plugin.type_names)
+            enc, plugin_losses, _ = self._encode(before, self._features(after), labels,
+                                                 train=train, axis_name=axis_name)
+            plugin.append(plugin_losses)
             logits[stream], sentence = self.decoder(enc.memory, ids, train=train)
             targets[stream] = streams.make_caption_targets(ids)
             if self.use_sim:
@@ -404,7 +425,43 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
             aux["sim"] = sum(sim) / len(sim)
         if self.use_cbr:
             aux["cbr"] = sum(cbr) / len(cbr)
+        for name in plugin[0]:  # MEDIC's losses, the same mean of the pairs
+            aux[name] = sum(p[name] for p in plugin) / len(plugin)
         return ModelOutput(caption_logits=logits, caption_targets=targets, aux_losses=aux)
+
+    def _encode(self, before: Array, after: Array, labels: Array | None, *, train: bool,
+                axis_name: losses.AxisName = None
+                ) -> tuple[EncoderOutput, dict[str, Array], medic.MEDICOutput | None]:
+        """The encoder; with the plug-in, MEDIC on (X1, X2) joins the fusion (module
+        docstring), and its losses and outputs come back too."""
+        if self.plugin is None:
+            return self.encoder(before, after, train=train), {}, None
+        grid_hw, out = tuple(after.shape[1:3]), []
+
+        def experts(x1: Array, x2: Array) -> Array:
+            out.append(self.plugin(x1, x2, grid_hw, labels, train=train, axis_name=axis_name))
+            return out[0].features
+
+        enc = self.encoder(before, after, train=train, join=experts)
+        return enc, out[0].losses, out[0]
+
+    @property
+    def change_type_names(self) -> tuple[str, ...]:
+        """Capability ``classify_change``: MEDIC's type names; empty without the plug-in."""
+        return medic.type_names(self.medic)
+
+    def classify_change(self, before: Array, after: Array) -> tuple[Array, Array]:
+        """Capability ``classify_change``: MEDIC's router on (X1, X2) (eval mode): change
+        logits (B, 2), 1 = change, and type logits (B, K)."""
+        if self.plugin is None:
+            raise ValueError("classify_change needs model.medic (this SCORER has no router)")
+        embedded = self.encoder.embed(self._features(before))
+        out = self._encode(embedded, self._features(after), None, train=False)[2]
+        return out.change_logits, out.type_logits
+
+    def check_dataset(self, meta: Any) -> None:
+        """Capability ``check_dataset``: MEDIC refuses a dataset without its change types."""
+        medic.check_host_dataset(self.medic, meta)
 
     @nn.nowrap
     def post_update(self, params: Any) -> Any:
@@ -419,5 +476,5 @@ class SCORERCBR(contract.TrunkModel, DelegatedDecoding):
 
     def encode(self, before: Array, after: Array, *, train: bool = False) -> Array:
         """(B, H, W, C) before/after features -> decoder memory (B, H*W, hidden)."""
-        return self.encoder(self.encoder.embed(self._features(before)), self._features(after),
-                            train=train).memory
+        return self._encode(self.encoder.embed(self._features(before)), self._features(after),
+                            None, train=train)[0].memory

@@ -322,6 +322,8 @@ class Trainer:
             if "distractor" in metrics:
                 scalars.update({f"{split}/distractor_{k}": metrics["distractor"][k]
                                 for k in ("accuracy", "loss")})
+            scalars.update({f"{split}/router_{k}": v for k, v in metrics.get("router", {}).items()
+                            if k.endswith("accuracy") and v is not None})
             writer.write_scalars(step, scalars)
 
     def model_streams(self) -> tuple[str, ...]:

@@ -222,7 +222,7 @@ def write_checkout(root: Path, model: str) -> Path:
 
 def real_checkout(model: str) -> Path:
     """The real official checkout of ``model`` named by ``CHANGECAP_OFFICIAL_DIRL`` /
-    ``_SCORER`` / ``_IDC``; skips the calling test when the variable is unset."""
+    ``_SCORER`` / ``_IDC`` / ``_MEDIC``; skips the calling test when the variable is unset."""
     import os
 
     import pytest
@@ -231,7 +231,7 @@ def real_checkout(model: str) -> Path:
     checkout = os.environ.get(variable)
     if not checkout:
         repository = {"dirl": "tuyunbin/DIRL", "scorer": "tuyunbin/SCORER",
-                      "idc": "yaolinli/IDC"}[model]
+                      "idc": "yaolinli/IDC", "medic": "VisualAIKHU/MEDIC"}[model]
         pytest.skip(f"no official checkout: set {variable}=PATH to a clone of {repository} "
                     "to run this")
     return Path(checkout)

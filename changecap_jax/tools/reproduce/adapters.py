@@ -259,6 +259,11 @@ class Adapter:
         ``"inputs"`` rng (for inputs our step draws itself)."""
         return tensor_batch(batch, streams, spatial_info)
 
+    def extra_fields(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Fields beside the streams' that our model reads from the host batch (none by
+        default; a plug-in's labels)."""
+        return {}
+
     def pe_table(self, shape: tuple[int, ...]) -> np.ndarray:
         """The official positional-encoding buffer of ``shape`` in float64 (--precision)."""
         return sinusoid_table(shape[-2], shape[-1], np.float64).reshape(shape)

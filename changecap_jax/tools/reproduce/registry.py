@@ -1,7 +1,11 @@
-"""The models ``reproduce`` supports: one adapter each (``adapters.py``, ``idc_pcl.py``)."""
+"""The models ``reproduce`` supports: one adapter each (``adapters.py``, ``idc_pcl.py``), and
+one per plug-in of a host whose official code is its own repository (``medic.py``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from changecap_jax.models import medic
 from changecap_jax.tools.reproduce.adapters import (
     Adapter,
     DirlAdapter,
@@ -10,6 +14,7 @@ from changecap_jax.tools.reproduce.adapters import (
 )
 from changecap_jax.tools.reproduce.idc_pcl import IdcPclAdapter
 from changecap_jax.tools.reproduce.idc_pretrain import IdcPclPretrainAdapter
+from changecap_jax.tools.reproduce.medic import MedicAdapter
 
 ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter(),
                                 "idc_pcl": IdcPclAdapter()}
@@ -27,3 +32,14 @@ def get_adapter(model_name: str, stage: str = "") -> Adapter:
         raise ReproduceError(f"python -m changecap_jax reproduce supports models "
                              f"{sorted(ADAPTERS)} (official code), not {model_name!r}")
     return ADAPTERS[model_name]
+
+
+def adapter_for(model: Any) -> Adapter:
+    """The adapter of ``config.model``: DIRL with ``model.medic`` on is VisualAIKHU/MEDIC's
+    code; otherwise :func:`get_adapter` of its name and stage."""
+    if model.name == "dirl" and medic.enabled(model.get("medic")):
+        return MEDIC_ADAPTER
+    return get_adapter(model.name, model.get("stage", ""))
+
+
+MEDIC_ADAPTER = MedicAdapter()

@@ -57,7 +57,7 @@ from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' n
     clip_gradients,
 )
 from changecap_jax.tools.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
-from changecap_jax.tools.reproduce.registry import get_adapter
+from changecap_jax.tools.reproduce.registry import adapter_for
 from changecap_jax.trainers import caption_step, optimizers, pretraining, update
 
 INPUTS = ("dataset", "random")
@@ -348,7 +348,7 @@ def prepare(config: ml_collections.ConfigDict, options: Options
     if options.steps < 1:
         raise ReproduceError(f"--steps must be >= 1, got {options.steps}")
     config = ml_collections.ConfigDict(config.to_dict())
-    adapter = get_adapter(config.model.name, config.model.get("stage", ""))
+    adapter = adapter_for(config.model)
     if options.batch_size:
         config.batch_size = options.batch_size
     notes = []
@@ -427,7 +427,8 @@ def run_steps(config: ml_collections.ConfigDict, options: Options, model: Any, i
     initial = tables.apply_table(entries, states, dtype)
     rows: list[dict[str, Any]] = []
     for step in range(1, options.steps + 1):
-        batch = model_batch(model, inputs.next_batch(model), dtype)
+        raw = inputs.next_batch(model)
+        batch = {**model_batch(model, raw, dtype), **adapter.extra_fields(raw)}
         if step == 1 and options.precision == "float64":
             check_ours_float64(ours, batch)
         with f64.torch_precision(options.precision), f64.official_guard(options.precision):
