@@ -72,7 +72,7 @@ def measure(config: ml_collections.ConfigDict, steps: int, every: int,
 
 
 def define_flags() -> None:
-    """The command's flags (defined when run as a command only, as ``changecap_jax/commands/benchmark.py``)."""
+    """The command's flags (defined when run as a command only, as the benchmark command's)."""
     config_flags.DEFINE_config_file("config", None, "Model config file.", lock_config=False)
     flags.DEFINE_integer("steps", 60, "Train steps per run.")
     flags.DEFINE_integer("every", 10, "Save (and log) every this many steps.")

@@ -3,9 +3,10 @@ training iteration, imported from a local checkout of the model's official repos
 (tuyunbin/DIRL, tuyunbin/SCORER), timed beside the jitted train step.
 
 The official side is the one ``python -m changecap_jax reproduce`` builds
-(changecap_jax/tools/reproduce/): the checkout imported without touching this project's ``configs``
-package, its ``.cuda()`` calls made no-ops on the CPU, its yaml with the config's model sizes,
-its modules (seeded as the training script seeds them), optimiser, losses and loss weights.
+(changecap_jax/commands/reproduce/): the checkout imported without touching this project's
+``configs`` package, its ``.cuda()`` calls made no-ops on the CPU, its yaml with the config's
+model sizes, its modules (seeded as the training script seeds them), optimiser, losses and
+loss weights.
 Unlike ``reproduce``, dropout stays on (as in official training) and the two sides start from
 their own initial weights, so their first-step losses agree in magnitude only. One timed
 official step is the body of the training loop on the benchmark's first batch, from the
@@ -28,11 +29,11 @@ import ml_collections
 import numpy as np
 
 from benchmarks.alternating import alternate_with_jax_step
+from changecap_jax.commands.reproduce import adapters, registry
+from changecap_jax.commands.reproduce import official as off
+from changecap_jax.commands.reproduce import run as reproduce
 from changecap_jax.data.streams import STREAM_KEYS
 from changecap_jax.errors import UserError
-from changecap_jax.tools.reproduce import adapters, registry
-from changecap_jax.tools.reproduce import official as off
-from changecap_jax.tools.reproduce import run as reproduce
 
 
 class OfficialError(UserError):

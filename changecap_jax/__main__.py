@@ -1,8 +1,9 @@
 """``python -m changecap_jax COMMAND [--flags]``: every command besides training, by a short name.
 
-Training and evaluation is ``python -m changecap_jax.main``; the others live in the folder of
-what they do (``inference/``, ``convert/``, ``tools/``) and run from here, each with its own
-flags (``python -m changecap_jax COMMAND --help``).
+Training and evaluation is ``python -m changecap_jax.main``; the others live in ``commands/``
+(and ``convert/``) and run from here, each with its own flags (``python -m changecap_jax
+COMMAND --help``). Development tools and benchmarks against PyTorch are outside the package
+(``tools/``, ``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ COMMANDS = {
                          "examples/s of the training loader alone"),
     "feed_bench": ("changecap_jax.commands.feed_bench",
                    "steps/s of a preset: streamed, device-prefetched, dataset on the devices"),
-    "reproduce": ("changecap_jax.tools.reproduce.__main__",
+    "reproduce": ("changecap_jax.commands.reproduce.__main__",
                   "train side by side with an official checkout"),
     "sweep": ("changecap_jax.commands.sweep", "one training per value of a config field"),
 }

@@ -25,7 +25,7 @@ from torch_helpers import official_layout  # noqa: E402
 from benchmarks import official_step as benchmark_official  # noqa: E402
 from changecap_jax.commands import benchmark  # noqa: E402
 from changecap_jax.commands import synthetic_inputs as si  # noqa: E402
-from changecap_jax.tools.reproduce import official, run  # noqa: E402
+from changecap_jax.commands.reproduce import official, run  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -145,11 +145,11 @@ def test_ablation_presets():
 # GPU check's list of the presets it times. Every other module is trunk.
 PER_MODEL_FILES = {"changecap_jax/models/__init__.py", "changecap_jax/convert/registry.py",
                    "changecap_jax/commands/gpu_check/plan.py",
-                   "changecap_jax/tools/reproduce/adapters.py",
-                   "changecap_jax/tools/reproduce/idc_pcl.py",
-                   "changecap_jax/tools/reproduce/idc_pretrain.py",
-                   "changecap_jax/tools/reproduce/medic.py",
-                   "changecap_jax/tools/reproduce/registry.py",
+                   "changecap_jax/commands/reproduce/adapters.py",
+                   "changecap_jax/commands/reproduce/idc_pcl.py",
+                   "changecap_jax/commands/reproduce/idc_pretrain.py",
+                   "changecap_jax/commands/reproduce/medic.py",
+                   "changecap_jax/commands/reproduce/registry.py",
                    "changecap_jax/models/idc_pcl_pretraining.py",
                    *(f"changecap_jax/models/{name}.py" for name in
                      ("dirl", "scorer", "subtraction", "cheers", "idc_pcl")),

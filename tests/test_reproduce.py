@@ -1,5 +1,5 @@
-"""``python -m changecap_jax reproduce`` (changecap_jax/tools/reproduce/) against a stand-in for the
-official checkouts: the project's torch reference (tools/torch_reference) laid out as
+"""``python -m changecap_jax reproduce`` (changecap_jax/commands/reproduce/) against a stand-in for
+the official checkouts: the project's torch reference (tools/torch_reference) laid out as
 tuyunbin/DIRL and tuyunbin/SCORER (tests/torch_helpers/official_layout.py), at tiny sizes.
 With CHANGECAP_OFFICIAL_DIRL / CHANGECAP_OFFICIAL_SCORER pointing at real checkouts, the same
 comparison runs against them; with CHANGECAP_OFFICIAL_MEDIC, DIRL+MEDIC (VisualAIKHU/MEDIC) in
@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 from conftest import SMALL  # noqa: E402
 from torch_helpers import official_layout  # noqa: E402
 
-from changecap_jax.tools.reproduce import official, report, run  # noqa: E402
+from changecap_jax.commands.reproduce import official, report, run  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -198,7 +198,7 @@ def test_float64_refuses_float32_on_either_side(x64_restored):
     import jax.numpy as jnp
     import numpy as np
 
-    from changecap_jax.tools.reproduce import float64
+    from changecap_jax.commands.reproduce import float64
 
     with pytest.raises(run.ReproduceError, match="float64: the official code computes float"):
         with float64.official_guard("float64"):
@@ -233,7 +233,7 @@ def test_config_the_official_code_cannot_build(checkouts):
 
 def test_without_a_checkout_exits_2_with_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "changecap_jax.tools.reproduce", "--config=configs/dirl.py"],
+        [sys.executable, "-m", "changecap_jax.commands.reproduce", "--config=configs/dirl.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 2, done.stderr
@@ -363,7 +363,7 @@ def test_idc_pcl_pretraining_step_by_step(idc_checkout, monkeypatch):
     pretrain.py's json through para.py. Zeroing the official gradients in place (torch 1.9,
     the authors') is what keeps the heads a step's task does not reach equal; torch 2's
     set-to-None makes its Adam skip them, and the sides part at the first task switch."""
-    from changecap_jax.tools.reproduce import idc_pretrain
+    from changecap_jax.commands.reproduce import idc_pretrain
 
     config = idc_pretrain_config(("mlm", "mvcl", "fda"))
     config.seed = 7
@@ -403,7 +403,7 @@ def test_idc_pcl_pretraining_refuses_what_pretrain_py_cannot_train(idc_checkout)
 
 
 def test_caption_spread_counts_a_collapse(tmp_path):
-    from changecap_jax.tools.reproduce import evaluate
+    from changecap_jax.commands.reproduce import evaluate
 
     path = tmp_path / "captions.json"
     path.write_text(json.dumps([{"caption": c} for c in ["a", "a", "a", "b"]]))

@@ -39,8 +39,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from changecap_jax.models import medic
-from changecap_jax.tools.reproduce.adapters import (
+from changecap_jax.commands.reproduce.adapters import (
     DirlAdapter,
     OfficialModel,
     OfficialSide,
@@ -49,6 +48,7 @@ from changecap_jax.tools.reproduce.adapters import (
     tensor_batch,
     torch_pairs_mean,
 )
+from changecap_jax.models import medic
 
 # The widths models/model.py hard-codes: 100 memory slots, 512-channel classifiers, 5 types.
 FIXED = {"memory_size": 100, "classifier_hidden": 512}

@@ -24,12 +24,12 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from changecap_jax.commands.reproduce import official as off
 from changecap_jax.convert import tables
 from changecap_jax.convert.models.scorer import GENERATOR
 from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
 from changecap_jax.data.streams import STREAM_KEYS
 from changecap_jax.models.layers import sinusoid_table
-from changecap_jax.tools.reproduce import official as off
 
 
 class ReproduceError(ValueError):

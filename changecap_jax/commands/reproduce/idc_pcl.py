@@ -39,18 +39,18 @@ import ml_collections
 import numpy as np
 
 from changecap_jax import models
-from changecap_jax.convert import tables
-from changecap_jax.convert.torch_checkpoint import IDC_STATE
-from changecap_jax.data import streams as stream_fields
-from changecap_jax.models.idc_pcl import idc_sinusoid_table
-from changecap_jax.tools.reproduce import official as off
-from changecap_jax.tools.reproduce.adapters import (
+from changecap_jax.commands.reproduce import official as off
+from changecap_jax.commands.reproduce.adapters import (
     Adapter,
     OfficialModel,
     OfficialSide,
     ReproduceError,
     disable_dropout,
 )
+from changecap_jax.convert import tables
+from changecap_jax.convert.torch_checkpoint import IDC_STATE
+from changecap_jax.data import streams as stream_fields
+from changecap_jax.models.idc_pcl import idc_sinusoid_table
 
 FOLDER = "clver"  # the CLEVR-Change code of the checkout
 SETTINGS = "clver/config/finetune_clver.json"  # finetune.py's --config

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from changecap_jax.tools.reproduce.adapters import OfficialModel, ReproduceError
+from changecap_jax.commands.reproduce.adapters import OfficialModel, ReproduceError
 
 PRECISIONS = ("float32", "float64")
 PE_BUFFER = "pe"  # register_buffer("pe", ...) of the official PositionalEncoding

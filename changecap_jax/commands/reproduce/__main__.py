@@ -50,8 +50,8 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from changecap_jax.commands.reproduce import evaluate, official, report, run
 from changecap_jax.convert import ConversionError
-from changecap_jax.tools.reproduce import evaluate, official, report, run
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Model config file (configs/dirl.py, "

@@ -39,18 +39,18 @@ import ml_collections
 import numpy as np
 
 from changecap_jax import models, parallel
-from changecap_jax.convert import tables
-from changecap_jax.data import streams as stream_fields
-from changecap_jax.models import idc_pcl_pretraining as pre
-from changecap_jax.models.base import INPUTS_FOLD
-from changecap_jax.tools.reproduce import float64 as f64
-from changecap_jax.tools.reproduce import idc_pcl
-from changecap_jax.tools.reproduce.adapters import (
+from changecap_jax.commands.reproduce import float64 as f64
+from changecap_jax.commands.reproduce import idc_pcl
+from changecap_jax.commands.reproduce.adapters import (
     OfficialModel,
     OfficialSide,
     ReproduceError,
     disable_dropout,
 )
+from changecap_jax.convert import tables
+from changecap_jax.data import streams as stream_fields
+from changecap_jax.models import idc_pcl_pretraining as pre
+from changecap_jax.models.base import INPUTS_FOLD
 from changecap_jax.trainers import optimizers, pretraining, update
 
 SETTINGS = "clver/config/pretrain_clver.json"  # pretrain.py's --config

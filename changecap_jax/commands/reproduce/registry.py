@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from changecap_jax.models import medic
-from changecap_jax.tools.reproduce.adapters import (
+from changecap_jax.commands.reproduce.adapters import (
     Adapter,
     DirlAdapter,
     ReproduceError,
     ScorerAdapter,
 )
-from changecap_jax.tools.reproduce.idc_pcl import IdcPclAdapter
-from changecap_jax.tools.reproduce.idc_pretrain import IdcPclPretrainAdapter
-from changecap_jax.tools.reproduce.medic import MedicAdapter
+from changecap_jax.commands.reproduce.idc_pcl import IdcPclAdapter
+from changecap_jax.commands.reproduce.idc_pretrain import IdcPclPretrainAdapter
+from changecap_jax.commands.reproduce.medic import MedicAdapter
+from changecap_jax.models import medic
 
 ADAPTERS: dict[str, Adapter] = {"dirl": DirlAdapter(), "scorer": ScorerAdapter(),
                                 "idc_pcl": IdcPclAdapter()}

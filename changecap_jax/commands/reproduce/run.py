@@ -38,16 +38,10 @@ import optax
 
 from changecap_jax import models, parallel
 from changecap_jax.commands import synthetic_inputs as si
-from changecap_jax.convert import converter, registry, tables
-from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
-from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
-from changecap_jax.data import datasets, pipeline
-from changecap_jax.data.streams import batch_keys
-from changecap_jax.models.base import INPUTS_FOLD
-from changecap_jax.tools.reproduce import evaluate, idc_pretrain
-from changecap_jax.tools.reproduce import float64 as f64
-from changecap_jax.tools.reproduce import official as off
-from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' names)
+from changecap_jax.commands.reproduce import evaluate, idc_pretrain
+from changecap_jax.commands.reproduce import float64 as f64
+from changecap_jax.commands.reproduce import official as off
+from changecap_jax.commands.reproduce.adapters import (  # noqa: F401 (the tools' names)
     Adapter,
     OfficialModel,
     OfficialSide,
@@ -56,8 +50,14 @@ from changecap_jax.tools.reproduce.adapters import (  # noqa: F401 (the tools' n
     build_modules,
     clip_gradients,
 )
-from changecap_jax.tools.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
-from changecap_jax.tools.reproduce.registry import adapter_for
+from changecap_jax.commands.reproduce.adapters import tensor_batch as torch_batch  # noqa: F401
+from changecap_jax.commands.reproduce.registry import adapter_for
+from changecap_jax.convert import converter, registry, tables
+from changecap_jax.convert.models.tuyunbin import DECODER, ENCODER
+from changecap_jax.convert.torch_checkpoint import OfficialSnapshot
+from changecap_jax.data import datasets, pipeline
+from changecap_jax.data.streams import batch_keys
+from changecap_jax.models.base import INPUTS_FOLD
 from changecap_jax.trainers import caption_step, optimizers, pretraining, update
 
 INPUTS = ("dataset", "random")
