@@ -43,18 +43,26 @@ def prepare(config: ml_collections.ConfigDict) -> list[str]:
     ds = config.dataset
     if ds.name != "synthetic" or not ds.get("build_if_missing", True):
         return []
-    dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                               build_if_missing=True)
+    # What is needed is decided from the config alone, so that a run needing nothing builds
+    # no dataset here (the trainer checks its config first, then builds it).
     if "pretrain" in config:
-        fda = "fda" in tuple(config.pretrain.get("tasks", ()))
-        return [str(p) for p in make_hard_negatives(dataset)] if fda else []
-    max_len = config.decode.max_len or dataset.meta.max_caption_len
-    model = models.build(config.model, vocab_size=len(dataset.vocab), max_len=max_len)
-    shapes = conditioning_shapes(model)
-    if "entities" not in shapes or retrieval_exists(dataset.directory):
+        if "fda" not in tuple(config.pretrain.get("tasks", ())):
+            return []
+        return [str(p) for p in make_hard_negatives(_built(ds))]
+    # The extra inputs' shapes follow the model's config, not the vocabulary or caption length.
+    shapes = conditioning_shapes(models.build(config.model, vocab_size=2, max_len=2))
+    if "entities" not in shapes:
+        return []
+    dataset = _built(ds)
+    if retrieval_exists(dataset.directory):
         return []
     make_entity_inputs(dataset, shapes["entities"][0])
     return [str(dataset.directory / entity_inputs.RETRIEVAL_DIR)]
+
+
+def _built(ds: ml_collections.ConfigDict) -> Any:
+    return datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
+                            build_if_missing=True)
 
 
 def _remove_temp_files(directory: Path, names: list[str], what: str) -> None:

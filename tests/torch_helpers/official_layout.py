@@ -28,8 +28,8 @@ from torch import nn
 
 from tools.torch_reference import dirl as tdirl
 from tools.torch_reference import scorer as tscorer
+from tools.torch_reference.idc_pcl import IDCPCL
 
-from .idc_pcl import IDCPCL
 from .snapshot import AttrDict
 
 GRID_ROWS = 14  # nn.Embedding(14, att_dim / 2) in the official encoders
@@ -326,7 +326,7 @@ class IdcPretrainModel(IDCPCL):
         self.fda_tmp = tmp
 
     def forward(self, batch: dict, task: str, compute_loss: bool = True) -> tuple:
-        from .idc_pcl import fda_loss, mlm_token_losses, mvcl_loss
+        from tools.torch_reference.idc_pcl import fda_loss, mlm_token_losses, mvcl_loss
 
         img1, img2 = batch["img1"], batch["img2"]
         if task == "fda":
