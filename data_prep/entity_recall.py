@@ -310,9 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="Also write the result here.")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    dataset = datasets.prepare("synthetic", args.data_dir, args.variant,
-                               build_if_missing=False)
-    results = measure(dataset, args.splits.split(","), ks)
+    try:
+        dataset = datasets.prepare("synthetic", args.data_dir, args.variant,
+                                   build_if_missing=False)
+        results = measure(dataset, args.splits.split(","), ks)
+    except (datasets.DatasetError, OSError, ValueError) as e:
+        # One line, as the other preparation commands report a user error.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_results(results, ks))
     if args.json:
         with open(args.json, "w") as fh:

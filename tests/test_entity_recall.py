@@ -99,3 +99,9 @@ def test_split_recall_on_examples():
     # colour there, so never
     assert res["semantic"]["color"] == {1: 0.5, 2: 0.5}
     assert res["top1_score_auroc_semantic_vs_distractor"] == 1.0
+
+
+def test_command_without_the_dataset_is_one_line_and_status_2(tmp_path, capsys):
+    assert er.main([f"--data_dir={tmp_path}", "--splits=test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "data_prep.build" in err[0], err
