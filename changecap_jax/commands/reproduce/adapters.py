@@ -332,6 +332,18 @@ def optimizer_differences(optim: ml_collections.ConfigDict, cfg: Any) -> list[st
     return out
 
 
+def official_widths(m: ml_collections.ConfigDict) -> list[str]:
+    """Sets the DIRL decoder's MLP and FFN widths to 4 x hidden (the official att_dim rule);
+    returns a note for each width changed."""
+    notes = []
+    for field in ("mlp_hidden_dim", "ffn_dim"):
+        if m[field] != 4 * m.hidden_dim:
+            notes.append(f"model.{field} {m[field]} -> {4 * m.hidden_dim} (the official "
+                         "width is 4 x att_dim)")
+            m[field] = 4 * m.hidden_dim
+    return notes
+
+
 def torch_pairs_mean(per_stream: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """{stream: {term: tensor}} -> {term: official pair mean}."""
     terms = next(iter(per_stream.values()))
@@ -371,12 +383,7 @@ class DirlAdapter(Adapter):
                 f"the official {self.script(m)} trains variant {m.variant!r} with pairs="
                 f"{'both' if cc else 'semantic_only'} and use_coordinates={cc}; the config "
                 f"has pairs={m.pairs!r}, use_coordinates={m.use_coordinates}")
-        notes = []
-        for field in ("mlp_hidden_dim", "ffn_dim"):
-            if m[field] != 4 * m.hidden_dim:
-                notes.append(f"model.{field} {m[field]} -> {4 * m.hidden_dim} (the official "
-                             "width is 4 x att_dim)")
-                m[field] = 4 * m.hidden_dim
+        notes = official_widths(m)
         if m.off_diagonal_weight != 0.003:
             notes.append(f"model.off_diagonal_weight = {m.off_diagonal_weight}; the official "
                          "models/DIRL.py hard-codes 0.003")

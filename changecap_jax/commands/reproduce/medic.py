@@ -45,6 +45,7 @@ from changecap_jax.commands.reproduce.adapters import (
     OfficialSide,
     ReproduceError,
     TorchBatch,
+    official_widths,
     tensor_batch,
     torch_pairs_mean,
 )
@@ -107,12 +108,7 @@ class MedicAdapter(DirlAdapter):
                 f"the official {self.script(m)} trains the CCR_expert.py decoder (variant "
                 f"'clevr_dc') with use_coordinates={both}; the config has variant "
                 f"{m.variant!r}, use_coordinates={m.use_coordinates}")
-        notes = []
-        for field in ("mlp_hidden_dim", "ffn_dim"):
-            if m[field] != 4 * m.hidden_dim:
-                notes.append(f"model.{field} {m[field]} -> {4 * m.hidden_dim} (the official "
-                             "width is 4 x att_dim)")
-                m[field] = 4 * m.hidden_dim
+        notes = official_widths(m)
         for field, value in FIXED.items():
             if m.medic.get(field) != value:
                 notes.append(f"model.medic.{field} {m.medic.get(field)} -> {value} (fixed in "
