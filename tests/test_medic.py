@@ -183,3 +183,52 @@ def test_router_accuracy_in_the_trainers_evaluation(tmp_path, monkeypatch):
     assert contract.change_router(plain) is None
     assert not any(isinstance(e, common.ChangeRouterAccuracy) for e in common.choose(
         config, trainer.dataset, plain, jnp.float32, ("semantic", "distractor")))
+
+
+def _plugin_inputs(seed: int = 0):
+    r = np.random.default_rng(seed)
+    d1, d2 = (jnp.asarray(r.normal(size=(B, H * W, 16)), jnp.float32) for _ in range(2))
+    return d1, d2, jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32)
+
+
+def test_feature_routing_by_the_router_keeps_the_losses_and_routes_as_at_test():
+    d1, d2, labels = _plugin_inputs()
+    official = medic.MEDIC(dim=16, memory_size=6, classifier_hidden=8)
+    by_router = medic.MEDIC(dim=16, memory_size=6, classifier_hidden=8, feature_routing="router")
+    params = official.init(jax.random.PRNGKey(0), d1, d2, (H, W), labels, train=True)
+    out = official.apply(params, d1, d2, (H, W), labels, train=True)
+    got = by_router.apply(params, d1, d2, (H, W), labels, train=True)
+    at_test = official.apply(params, d1, d2, (H, W))
+    # The same losses (label-routed masks), the features of the label-free path.
+    for name in medic.LOSSES:
+        np.testing.assert_allclose(got.losses[name], out.losses[name], rtol=1e-6)
+    np.testing.assert_allclose(got.features, at_test.features, rtol=1e-6)
+    # Official routing zeroes the pairs where the router and the label disagree; the router
+    # alone does not, so with such a pair the two differ.
+    is_change = np.asarray(jnp.argmax(out.change_logits, -1) == 1)
+    disagree = is_change != (np.asarray(labels) != 5)
+    assert disagree.any(), "pick inputs with a misrouted pair"
+    assert np.all(np.asarray(out.features)[disagree] == 0)
+    assert np.all(np.abs(np.asarray(got.features)[disagree]).sum(axis=(1, 2)) > 0)
+    with pytest.raises(ValueError, match="feature_routing"):
+        medic.MEDIC(dim=16, feature_routing="label").apply(params, d1, d2, (H, W))
+
+
+def test_detached_host_features_get_no_gradient_from_medic():
+    d1, d2, labels = _plugin_inputs(1)
+    plugin = medic.MEDIC(dim=16, memory_size=6, classifier_hidden=8)
+    detached = medic.MEDIC(dim=16, memory_size=6, classifier_hidden=8, detach_host_features=True)
+    params = plugin.init(jax.random.PRNGKey(0), d1, d2, (H, W), labels, train=True)
+
+    def total(module, p, a, b):
+        out = module.apply(p, a, b, (H, W), labels, train=True)
+        return sum(out.losses.values()) + jnp.sum(out.features)
+
+    grads = jax.grad(lambda a, b: total(plugin, params, a, b), argnums=(0, 1))(d1, d2)
+    assert all(float(jnp.abs(g).max()) > 0 for g in grads)
+    grads = jax.grad(lambda a, b: total(detached, params, a, b), argnums=(0, 1))(d1, d2)
+    assert all(float(jnp.abs(g).max()) == 0 for g in grads)
+    # The plug-in's own parameters still learn, with the same gradient as without detaching.
+    g_on = jax.grad(lambda p: total(plugin, p, d1, d2))(params)
+    g_off = jax.grad(lambda p: total(detached, p, d1, d2))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), g_on, g_off)

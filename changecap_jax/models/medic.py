@@ -23,7 +23,10 @@ Method
    expert when the router predicts no change AND its label is no change: stop_grad(p_change[0]) *
    expert_nc(P). Any other pair gets zeros. Without labels (:meth:`MEDIC.__call__` with
    ``labels=None``: our decoding path) only the router decides; the official test script passes
-   the labels at test time too.
+   the labels at test time too. Two fields of ours, off by default (the official behaviour):
+   ``feature_routing="router"`` routes the features by the router alone in training too (the
+   losses keep the label masks), ``detach_host_features`` reads the host's features through
+   stop_gradient (MEDIC trains itself and never reshapes them).
 5. Losses (train). ``change_cls`` = CE(change logits, label != no-change) over the batch;
    ``change_type_cls`` = CE(type logits, label) over the pairs routed to the change experts (0 if
    none); ``expert_disentangle`` = lambda_inter * inter + lambda_intra * intra on the expert
@@ -236,6 +239,13 @@ class MEDIC(nn.Module):
     margin_intra: float = 0.7
     lambda_inter: float = 1.0
     lambda_intra: float = 1.0
+    # Not in the official code (docs/models.md, "MEDIC on SCORER+CBR"): with labels, "labels"
+    # routes the expert features by router AND label (official), "router" by the router alone,
+    # as at test; the losses' routing masks keep the labels either way.
+    feature_routing: str = "labels"
+    # True: MEDIC reads stop_gradient(host features), so its losses and its features' gradient
+    # train the router and experts but never reshape the host's features.
+    detach_host_features: bool = False
 
     def setup(self) -> None:
         k = len(self.type_names)
@@ -258,6 +268,11 @@ class MEDIC(nn.Module):
         ``axis_name``: the data axis when run inside ``shard_map`` (losses over the global
         batch)."""
         k = len(self.type_names)
+        if self.feature_routing not in ("labels", "router"):
+            raise ValueError(f"model.medic.feature_routing must be 'labels' or 'router', got "
+                             f"{self.feature_routing!r}")
+        if self.detach_host_features:
+            diff_before, diff_after = map(jax.lax.stop_gradient, (diff_before, diff_after))
         paired = jnp.concatenate([diff_before, diff_after], axis=-1)  # (B, N, 2D)
         change_logits, type_logits = self.route(diff_before, diff_after, grid_hw)
         p_change = jax.nn.softmax(change_logits / self.cls_temperature, axis=-1)
@@ -265,14 +280,17 @@ class MEDIC(nn.Module):
         to_change, to_none = is_change, ~is_change
         if labels is not None:
             to_change, to_none = to_change & (labels != k), to_none & (labels == k)
+        feat_change, feat_none = ((is_change, ~is_change) if self.feature_routing == "router"
+                                  else (to_change, to_none))
         weights = jax.lax.stop_gradient(
             jax.nn.softmax(type_logits / self.type_temperature, axis=-1) * p_change[:, 1:])
         outs = [expert(paired) for expert in self.experts]
         mixed = sum(weights[:, i, None, None] * o for i, o in enumerate(outs))
         out_nc = self.no_change_expert(paired)
         nc = jax.lax.stop_gradient(p_change[:, 0])[:, None, None] * out_nc
-        features = jnp.where(to_change[:, None, None], mixed,
-                             jnp.where(to_none[:, None, None], nc, 0.0))
+        routed = lambda change, none: jnp.where(change[:, None, None], mixed,
+                                                jnp.where(none[:, None, None], nc, 0.0))
+        features = routed(feat_change, feat_none)
         losses = {}
         if train and labels is not None:
             reversed_pair = jnp.concatenate([diff_after, diff_before], axis=-1)
@@ -291,7 +309,8 @@ class MEDIC(nn.Module):
                                                   (to_change & (labels >= 0)).astype(f),
                                                   axis_name),
                 "expert_disentangle": disentangle_loss(
-                    features, labels, is_change, k, (self.margin_inter, self.margin_intra),
+                    routed(to_change, to_none), labels, is_change, k,
+                    (self.margin_inter, self.margin_intra),
                     (self.lambda_inter, self.lambda_intra), axis_name),
                 "expert_consistency": consistency,
             }
