@@ -199,7 +199,9 @@ def add_medic_plugin(config: ml_collections.ConfigDict, preset: str) -> None:
     config.model.medic = ml_collections.ConfigDict({
         "dataset_types": list(CHANGE_TYPES), "memory_size": 100, "classifier_hidden": 512,
         "cls_temperature": 1.0, "type_temperature": 1.0, "margin_inter": 0.2,
-        "margin_intra": 0.7, "lambda_inter": 1.0, "lambda_intra": 1.0})
+        "margin_intra": 0.7, "lambda_inter": 1.0, "lambda_intra": 1.0,
+        # ours, the official behaviour by default (changecap_jax/models/medic.py)
+        "feature_routing": "labels", "detach_host_features": False})
     if preset.startswith("synthetic"):
         config.model.medic.update(memory_size=20, classifier_hidden=64)
     config.loss_weights.update({"change_cls": 0.1, "change_type_cls": 0.1,
