@@ -57,9 +57,7 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
     mesh = mesh if mesh is not None else parallel.make_mesh()
     parallel.check_global_batch(config.batch_size, mesh)
     parallel.check_global_batch(config.eval_batch_size, mesh, "eval_batch_size")
-    ds = config.dataset
-    dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                               build_if_missing=ds.build_if_missing)
+    dataset = datasets.prepare_config(config.dataset)
     max_len = config.decode.max_len or dataset.meta.max_caption_len
     model = models.build(config.model, vocab_size=len(dataset.vocab), max_len=max_len)
     check = contract.dataset_check(model)
@@ -70,7 +68,8 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
     streams = contract.model_streams(model)
     if "distractor" in streams and not dataset.meta.has_distractor:
         raise datasets.DatasetError(
-            f"the model trains on distractor pairs but dataset {ds.name!r} has none; set "
+            f"the model trains on distractor pairs but dataset {config.dataset.name!r} has "
+            f"none; set "
             f"--config.model.pairs=semantic_only (or use the dataset's preset)")
     num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
     return Experiment(

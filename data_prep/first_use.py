@@ -61,8 +61,7 @@ def prepare(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def _built(ds: ml_collections.ConfigDict) -> Any:
-    return datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                            build_if_missing=True)
+    return datasets.prepare_config(ds, build_if_missing=True)
 
 
 def _remove_temp_files(directory: Path, names: list[str], what: str) -> None:

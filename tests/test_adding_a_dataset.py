@@ -93,3 +93,13 @@ def test_a_model_trains_on_it(built, tmp_path):
     losses = [metrics["loss"] for _, metrics in trainer.history]
     assert losses == sorted(losses, reverse=True) and losses[-1] < 0.7 * losses[0], losses
     assert np.isfinite(results["test"]["CIDEr"])
+
+
+def test_a_run_configs_dataset_group_opens_it(built, tmp_path):
+    group = {"name": "tiny_pairs", "data_dir": str(built), "variant": "", "options": {},
+             "build_if_missing": False}
+    assert datasets.prepare_config(group).directory == datasets.prepare(
+        "tiny_pairs", built, build_if_missing=False).directory
+    # data_dir given to the call wins over the group's (an exported model read elsewhere).
+    with pytest.raises(datasets.DatasetError, match=str(tmp_path / "elsewhere")):
+        datasets.prepare_config(group, data_dir=tmp_path / "elsewhere")

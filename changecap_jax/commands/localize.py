@@ -34,9 +34,8 @@ def measure(model_dir: str | os.PathLike, split: str = "test", *, beam_size: int
             ) -> dict[str, attention_maps.Localization]:
     """{"all": ..., <change type>: ...} localization of a split's semantic pairs."""
     exported = load_exported(model_dir)
-    ds = exported.config.dataset
-    dataset = datasets.prepare(ds.name, data_dir or ds.data_dir or None, ds.variant,
-                               dict(ds.options), build_if_missing=False)
+    dataset = datasets.prepare_config(exported.config.dataset, build_if_missing=False,
+                                      data_dir=data_dir)
     if dataset.vocab != exported.vocab:
         raise datasets.DatasetError(f"dataset in {dataset.directory} has another vocabulary "
                                     f"than the model in {model_dir}")

@@ -131,10 +131,8 @@ class ConversionReport:
 
 def open_dataset(config: ml_collections.ConfigDict) -> tuple[Any, str | None]:
     """The config's dataset if it is already built (never builds one), else (None, reason)."""
-    ds = config.dataset
     try:
-        dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                                   build_if_missing=False)
+        dataset = datasets.prepare_config(config.dataset, build_if_missing=False)
     except datasets.DatasetError as e:
         return None, str(e)
     return dataset, None

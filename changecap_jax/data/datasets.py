@@ -242,6 +242,16 @@ def prepare(
     return prepared
 
 
+def prepare_config(group: Mapping[str, Any], *, build_if_missing: bool | None = None,
+                   data_dir: str | os.PathLike | None = None) -> PreparedDataset:
+    """:func:`prepare` of a run config's ``dataset`` group (name, data_dir, variant, options,
+    build_if_missing); ``build_if_missing`` and ``data_dir`` override the group's when given."""
+    build = group.get("build_if_missing", True) if build_if_missing is None else build_if_missing
+    return prepare(group["name"], data_dir or group.get("data_dir") or None,
+                   group.get("variant", ""), dict(group.get("options") or {}),
+                   build_if_missing=build)
+
+
 def _prepare_remote(name: str, root: paths.AnyPath, variant: str, options: Mapping[str, Any],
                     *, build_if_missing: bool, wait_s: float) -> PreparedDataset:
     """A dataset whose data dir is in a bucket, read from this host's local copy

@@ -117,10 +117,8 @@ class Result:
 
 def dataset_inputs(config: ml_collections.ConfigDict, options: Options) -> Inputs:
     """Training batches of the config's dataset, as the trainer draws them."""
-    ds = config.dataset
     try:
-        dataset = datasets.prepare(ds.name, ds.data_dir or None, ds.variant, dict(ds.options),
-                                   build_if_missing=ds.build_if_missing)
+        dataset = datasets.prepare_config(config.dataset)
     except datasets.DatasetError as e:
         raise ReproduceError(f"{e}\nBuild the dataset first, or pass --inputs=random for "
                              "random batches of its shapes") from e
