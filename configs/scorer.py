@@ -39,8 +39,11 @@ experts read X1 and X2, the last SCORER layer's outputs, and the experts' featur
 fusion into the decoder memory. The plug-in's settings and MEDIC's loss weights are DIRL+MEDIC's
 (configs/common.py ``MEDIC_PRESETS``: cls 0.1 / type 0.1 / disentangle / consistency); SCORER's
 own weights, batch, learning rate and iterations stay the preset's (MEDIC's run scripts'
-batch and iterations are DIRL's). Spot-the-Diff and Image Editing Request as built here have
-no change types and are refused.
+batch and iterations are DIRL's). One setting is ours, on every SCORER+MEDIC preset:
+``model.medic.feature_routing="router"``, the expert features routed by the router in training
+as at test; MEDIC's official label-and-router routing in training costs SCORER 37.5 CIDEr here
+(docs/ablations.md "Why SCORER+MEDIC lost"). Spot-the-Diff and Image Editing Request as built
+here have no change types and are refused.
 
 Layer numbers: the paper (Fig. 5 text) sets "2, 1, 3, and 2 on four datasets", in the order of
 its Table 8 (CLEVR-Change, CLEVR-DC, Spot-the-Diff, IER); "the layer number is the deepest on
@@ -165,6 +168,7 @@ def get_config(preset: str = "synthetic") -> ml_collections.ConfigDict:
     config.optim.zero_grad_rows = {"decoder/embed/embedding": 0}
     if ablation == "medic":
         common.add_medic_plugin(config, preset)
+        config.model.medic.feature_routing = "router"  # module docstring
     else:
         apply_ablation(config, ablation or "scorer_cbr")
     return config
