@@ -97,3 +97,30 @@ def test_presets_reuse_medics_table_and_keep_scorers_schedule():
     assert "medic" not in scorer_config.get_config("clevr_change").model
     with pytest.raises(ValueError, match="no MEDIC preset"):
         scorer_config.get_config("birds_to_words/medic")
+
+
+def test_the_presets_route_the_features_in_training_as_at_test():
+    """SCORER+MEDIC's presets route the expert features by the router alone in training
+    (docs/ablations.md "Why SCORER+MEDIC lost"); a pair the router misroutes then keeps its
+    features, where the official routing (DIRL+MEDIC's presets) zeroes them."""
+    preset = dict(scorer_config.get_config("synthetic/medic").model.medic)
+    assert preset["feature_routing"] == "router"
+    from configs import dirl as dirl_config
+    assert dirl_config.get_config("synthetic/medic").model.medic.feature_routing == "labels"
+    preset.update(memory_size=6, classifier_hidden=8)
+    batch = _batch(4, seed=3)
+    fields = dict(vocab_size=12, max_len=7, use_coordinates=False, **TINY)
+    ours = scorer.SCORERCBR(**fields, medic=preset)
+    official = scorer.SCORERCBR(**fields, medic={**preset, "feature_routing": "labels"})
+    params = {"params": ours.init(jax.random.PRNGKey(1), batch, train=False)["params"]}
+    a, b = (m.apply(params, batch, train=True) for m in (ours, official))
+    misrouted = 0
+    for stream, changed in (("semantic", True), ("distractor", False)):
+        change, _ = ours.apply(params, batch["before"], batch[f"after_{stream}"],
+                               method=ours.classify_change)
+        wrong = np.asarray(jnp.argmax(change, -1) == 1) != changed
+        misrouted += wrong.sum()
+        diff = np.abs(np.asarray(a.caption_logits[stream] - b.caption_logits[stream]))
+        assert np.all(diff.max(axis=(1, 2))[~wrong] == 0), stream
+        assert np.all(diff.max(axis=(1, 2))[wrong] > 1e-6), stream
+    assert misrouted > 0, "pick a batch with a misrouted pair"
