@@ -42,8 +42,8 @@ own weights, batch, learning rate and iterations stay the preset's (MEDIC's run 
 batch and iterations are DIRL's). One setting is ours, on every SCORER+MEDIC preset:
 ``model.medic.feature_routing="router"``, the expert features routed by the router in training
 as at test; MEDIC's official label-and-router routing in training cost SCORER+MEDIC 29.8 CIDEr
-on the built-in set over three seeds (docs/ablations.md "Why SCORER+MEDIC lost"). Spot-the-Diff and Image Editing Request as built
-here have no change types and are refused.
+on the built-in set over three seeds (docs/ablations.md "Why SCORER+MEDIC lost").
+Spot-the-Diff and Image Editing Request as built here have no change types and are refused.
 
 Layer numbers: the paper (Fig. 5 text) sets "2, 1, 3, and 2 on four datasets", in the order of
 its Table 8 (CLEVR-Change, CLEVR-DC, Spot-the-Diff, IER); "the layer number is the deepest on
