@@ -69,8 +69,7 @@ def build(config: ml_collections.ConfigDict, *, mesh: Any | None = None) -> Expe
     if "distractor" in streams and not dataset.meta.has_distractor:
         raise datasets.DatasetError(
             f"the model trains on distractor pairs but dataset {config.dataset.name!r} has "
-            f"none; set "
-            f"--config.model.pairs=semantic_only (or use the dataset's preset)")
+            f"none; set --config.model.pairs=semantic_only (or use the dataset's preset)")
     num_train = dataset.meta.split_sizes.get("train") or len(dataset.split("train"))
     return Experiment(
         config=config, dataset=dataset, model=model, mesh=mesh, max_len=max_len,

@@ -280,8 +280,6 @@ class MEDIC(nn.Module):
         to_change, to_none = is_change, ~is_change
         if labels is not None:
             to_change, to_none = to_change & (labels != k), to_none & (labels == k)
-        feat_change, feat_none = ((is_change, ~is_change) if self.feature_routing == "router"
-                                  else (to_change, to_none))
         weights = jax.lax.stop_gradient(
             jax.nn.softmax(type_logits / self.type_temperature, axis=-1) * p_change[:, 1:])
         outs = [expert(paired) for expert in self.experts]
@@ -290,7 +288,9 @@ class MEDIC(nn.Module):
         nc = jax.lax.stop_gradient(p_change[:, 0])[:, None, None] * out_nc
         routed = lambda change, none: jnp.where(change[:, None, None], mixed,
                                                 jnp.where(none[:, None, None], nc, 0.0))
-        features = routed(feat_change, feat_none)
+        label_routed = routed(to_change, to_none)  # official; the losses always read these
+        features = (routed(is_change, ~is_change) if self.feature_routing == "router"
+                    else label_routed)
         losses = {}
         if train and labels is not None:
             reversed_pair = jnp.concatenate([diff_after, diff_before], axis=-1)
@@ -309,7 +309,7 @@ class MEDIC(nn.Module):
                                                   (to_change & (labels >= 0)).astype(f),
                                                   axis_name),
                 "expert_disentangle": disentangle_loss(
-                    routed(to_change, to_none), labels, is_change, k,
+                    label_routed, labels, is_change, k,
                     (self.margin_inter, self.margin_intra),
                     (self.lambda_inter, self.lambda_intra), axis_name),
                 "expert_consistency": consistency,
