@@ -47,11 +47,12 @@ Fine-tuning presets (``finetune/DATASET``; ``finetune`` alone is the synthetic s
                               dropout) and CPU_EMBEDDING (image_feature_scale 16, type
                               embedding init std 0.02: models/idc_pcl.py, "Embedding
                               balance"), batch 64, 1000 steps, constant lr 5e-4, the official
-                              summed loss. A smoke test: at the CPU budgets measured (up to
-                              3000 steps) the captions do not follow the change, and the
-                              official code trained on the same batches collapses to one
-                              caption too (docs/ablations.md, "IDC-PCL: the official code on
-                              the same batches").
+                              summed loss. A smoke test: at 1000 steps every pair gets one
+                              caption, as the official code trained on the same batches
+                              writes too; with 2000-6000 steps (with or without pretraining)
+                              the captions vary but hardly follow the change (docs/
+                              ablations.md, "IDC-PCL: the official code on the same batches"
+                              and "A larger budget").
   finetune/synthetic_extreme  the same on the extreme-distractor variant.
   finetune/clevr_change       Table 6 / §5.6: hidden 512, 8 heads, FFN 2048, 3 blocks, dropout
                               0.2, captions of 40, lr 3e-5 halved at 10k and 20k steps, at most
