@@ -3,8 +3,8 @@ output format are ``data_prep/methods/entity_retrieval.py``.
 
     python -m data_prep.retrieval --dataset=NAME [--data_dir=DIR] [--variant=V] \\
         [--backbone=auto|contrastive|clip] [--clip_path=LOCAL_DIR] [--k=3] \\
-        [--difference=signed|absolute] [--batch_size=32] [--splits=train,val,test] \\
-        [--overwrite]
+        [--difference=signed|absolute] [--pooling=mean|change] [--steps=400] \\
+        [--batch_size=32] [--splits=train,val,test] [--overwrite]
 
 needs the entity list of ``python -m data_prep.entities`` (``entities.json`` beside the
 dataset) and writes ``<dataset directory>/entity_retrieval/``, printing the retrieval accuracy.
@@ -43,6 +43,9 @@ def _define_flags(fv: Any) -> None:
     define(flags.DEFINE_integer, "batch_size", 32, "CLIP batch size (images and texts).")
     define(flags.DEFINE_integer, "steps", lib.ContrastiveSettings.steps,
            "Contrastive training steps.")
+    define(flags.DEFINE_enum, "pooling", lib.ContrastiveSettings.pooling, "Contrastive image "
+           "pooling: mean of the cells, or cells weighted by where the pair differs.",
+           list(lib.POOLINGS))
     define(flags.DEFINE_integer, "model_seed", 0, "Contrastive model seed.")
     define(flags.DEFINE_bool, "overwrite", False, "Replace an existing entity_retrieval/.")
     define(flags.DEFINE_integer, "stop_after_batches", None, "Testing the resume: stop the "
@@ -90,7 +93,8 @@ def main(argv: Sequence[str], log: Callable[[str], None] = print) -> int:
             meta = lib.run_retrieval(
                 dataset, backbone=fv.backbone, clip_path=fv.clip_path, k=fv.k,
                 difference=fv.difference, splits=fv.splits or None, overwrite=fv.overwrite,
-                contrastive=lib.ContrastiveSettings(steps=fv.steps, seed=fv.model_seed),
+                contrastive=lib.ContrastiveSettings(steps=fv.steps, seed=fv.model_seed,
+                                                      pooling=fv.pooling),
                 clip_options={"batch_size": fv.batch_size,
                               "stop_after_batches": fv.stop_after_batches})
     except (datasets.DatasetError, building.LockTimeout, OSError, ValueError,

@@ -47,7 +47,12 @@ Backbones (one interface, :class:`Backbone`):
   the real datasets here store features only and cannot use it.
 * ``contrastive`` (default where no CLIP checkpoint is given): a small image-text model
   trained here in JAX on the TRAIN split. Image encoder: each grid cell's features -> Dense +
-  ReLU -> mean over cells -> Dense -> L2 norm. Text encoder: the mean of learned embeddings of
+  ReLU -> pooled over cells -> Dense -> L2 norm; ``pooling="mean"`` (the default) averages the
+  cells, ``pooling="change"`` weighs them by a softmax over the cells of a small MLP of the
+  pair's [|before - after|; before; after] at each cell, one weighting shared by both images
+  of the pair, so each vector describes what stands where the pair differs (CLIP embeds an
+  image alone; this is the substitute's choice, and Eq. 1 still ranks S_bef - S_aft of the two
+  vectors). Text encoder: the mean of learned embeddings of
   the entity's whitespace words -> Dense -> L2 norm. Objective: for every train pair whose
   change captions name entities of the list, the Eq. 1 score of every entity (signed or
   absolute, as chosen) over a temperature is trained with softmax cross-entropy towards those
@@ -68,6 +73,9 @@ counts (``data_prep/entity_recall.py``, docs/ablations.md "CHEERS, measured piec
 grid features make the changed object hard to read from one pooled image (a linear probe on
 pooled before-after features names its colour in 35% of the test pairs); the paraphrased
 references (5.5 distinct entity strings per pair) cap the exact-string accuracy further.
+``pooling="change"`` with the absolute difference and 3000 steps names the changed object in
+35.5-37.2 % of the test pairs' top 3 over three model seeds (docs/ablations.md, "Change
+pooling").
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ CLIP_CACHE_DIR = RETRIEVAL_DIR + ".clip_cache"
 BACKBONES = ("clip", "contrastive")
 DEFAULT_K = 3  # entities kept per pair (CHEERS: 3)
 DIFFERENCES = entity_inputs.DIFFERENCES
+POOLINGS = ("mean", "change")  # the contrastive backbone's image pooling
 ORIENTATION_IMAGES = {  # orientation -> (record field of the "before", of the "after")
     "semantic": ("before", "after_semantic"),
     "distractor": ("before", "after_distractor"),
@@ -155,8 +164,9 @@ class Backbone(Protocol):
         """M strings -> (M, D)."""
         ...
 
-    def encode_images(self, split: str, key: str) -> np.ndarray:
-        """The image in record field ``key`` of every record of ``split`` -> (N, D)."""
+    def encode_pairs(self, split: str, first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
+        """The images in record fields ``first`` and ``second`` of every record of ``split``
+        -> 2 x (N, D) (a backbone may weigh an image by its partner, as change pooling does)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -219,7 +229,10 @@ class ContrastiveSettings:
 
     dim: int = 64
     hidden: int = 128
-    steps: int = 400  # more fits the train split better and the test split worse
+    # How an image's cells become one vector: "mean" (every cell alike) or "change" (cells
+    # weighted by where the pair differs; module docstring).
+    pooling: str = "mean"
+    steps: int = 400  # mean pooling: more fits the train split better and the test split worse
     batch_size: int = 128
     learning_rate: float = 3e-3
     temperature: float = 0.05
@@ -241,6 +254,8 @@ class ContrastiveBackbone:
             raise ValueError(f"difference must be one of {DIFFERENCES}, got {difference!r}")
         self.dataset, self.texts = dataset, list(texts)
         self.settings = settings or ContrastiveSettings()
+        if self.settings.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.settings.pooling!r}")
         self.difference = difference
         self.word_index = {w: i + 1 for i, w in enumerate(
             sorted({w for t in self.texts for w in _words(t)}))}  # 0 = padding
@@ -280,6 +295,7 @@ class ContrastiveBackbone:
 
     def _modules(self) -> tuple[Any, Any]:
         import flax.linen as nn
+        import jax
         import jax.numpy as jnp
 
         s = self.settings
@@ -289,11 +305,31 @@ class ContrastiveBackbone:
 
         class ImageEncoder(nn.Module):
             @nn.compact
-            def __call__(self, grid):  # (B, H, W, C) -> (B, D)
-                # Cells pooled by their mean: a bag of local features, so a camera move that
-                # only shifts objects barely changes the vector.
-                pooled = nn.relu(nn.Dense(s.hidden)(grid)).mean(axis=(1, 2))
-                return normalise(nn.Dense(s.dim)(pooled))
+            def __call__(self, first, second):  # two (B, H, W, C) grids of B pairs -> 2 x (B, D)
+                # Dense_0 and Dense_1 in this order: the mean-pooled model's names, so its
+                # initial values (and stored retrievals) stay what they were.
+                cells = nn.Dense(s.hidden)
+                project = nn.Dense(s.dim)
+                if s.pooling == "mean":
+                    # A bag of local features: a camera move that only shifts objects barely
+                    # changes the vector.
+                    return tuple(normalise(project(nn.relu(cells(g)).mean(axis=(1, 2))))
+                                 for g in (first, second))
+                local = [nn.relu(cells(g)).reshape(g.shape[0], -1, s.hidden)
+                         for g in (first, second)]
+                # One weight per cell from how the pair differs there, shared by both
+                # images, so each vector describes what stands where the change is.
+                flat = [g.reshape(g.shape[0], -1, g.shape[-1]) for g in (first, second)]
+                where = jnp.concatenate([jnp.abs(flat[0] - flat[1]), *flat], axis=-1)
+                hidden = nn.relu(nn.Dense(s.hidden, name="change_hidden")(where))
+                # The squared difference as a starting point (its scale learned, from 1):
+                # without it two of three seeds never found the changed cells (docs/ablations.md).
+                scale = self.param("change_scale", nn.initializers.ones, ())
+                logits = (nn.Dense(1, name="change_logit")(hidden)[..., 0]
+                          + scale * jnp.mean((flat[0] - flat[1]) ** 2, axis=-1))
+                weights = jax.nn.softmax(logits, axis=-1)
+                return tuple(normalise(project(jnp.einsum("bn,bnh->bh", weights, h)))
+                             for h in local)
 
         class TextEncoder(nn.Module):
             vocab: int
@@ -320,7 +356,7 @@ class ContrastiveBackbone:
         image_enc, text_enc = self._modules()
         key = jax.random.key(s.seed)
         sample = self._train_grids.get([0])["before"]
-        params = {"image": image_enc.init(key, sample)["params"],
+        params = {"image": image_enc.init(key, sample, sample)["params"],
                   "text": text_enc.init(jax.random.fold_in(key, 1), tokens)["params"]}
         optimizer = optax.adam(s.learning_rate)
         opt_state = optimizer.init(params)
@@ -328,8 +364,8 @@ class ContrastiveBackbone:
 
         def loss_fn(params, before, after, gold):
             e = text_enc.apply({"params": params["text"]}, tokens)
-            s_bef = image_enc.apply({"params": params["image"]}, before) @ e.T
-            s_aft = image_enc.apply({"params": params["image"]}, after) @ e.T
+            v_bef, v_aft = image_enc.apply({"params": params["image"]}, before, after)
+            s_bef, s_aft = v_bef @ e.T, v_aft @ e.T
             score = jnp.abs(s_bef - s_aft) if absolute else s_bef - s_aft
             # Equal shares over the pair's entities; one_hot(-1) is a zero row (padding).
             target = jax.nn.one_hot(gold, num_entities).sum(axis=1)
@@ -358,20 +394,30 @@ class ContrastiveBackbone:
         _, text_enc = self._modules()
         return _l2(text_enc.apply({"params": self.params["text"]}, self._token_matrix(texts)))
 
-    def encode_images(self, split: str, key: str) -> np.ndarray:
+    def encode_pairs(self, split: str, first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
+        """The images in record fields ``first`` and ``second`` of every record of ``split``,
+        embedded as pairs (change pooling weighs the cells by the pair) -> 2 x (N, D)."""
         import jax
 
         image_enc, _ = self._modules()
-        apply = jax.jit(lambda p, g: image_enc.apply({"params": p}, g))
+        apply = jax.jit(lambda p, a, b: image_enc.apply({"params": p}, a, b))
         source = self.dataset.split(split)
+        keys = (first, second)
         # Grids already in memory for training are reused; anything else streams.
         cached = self._train_grids
         full = (split == "train" and cached is not None and cached.arrays is not None
-                and key in cached.keys and len(cached.rows) == len(source))
-        grids = cached if full else _SplitGrids(source, range(len(source)), (key,), 0)
-        out = [np.asarray(apply(self.params["image"], grids.get(chunk)[key]))
-               for chunk in _chunks(len(source), 256)]
-        return _l2(np.concatenate(out)) if out else np.zeros((0, self.settings.dim), np.float32)
+                and set(keys) <= set(cached.keys) and len(cached.rows) == len(source))
+        grids = cached if full else _SplitGrids(source, range(len(source)), keys, 0)
+        out: list[list[np.ndarray]] = [[], []]
+        for chunk in _chunks(len(source), 256):
+            got = grids.get(chunk)
+            for side, vectors in zip(out, apply(self.params["image"], got[first], got[second]),
+                                     strict=True):
+                side.append(np.asarray(vectors))
+        if not out[0]:
+            empty = np.zeros((0, self.settings.dim), np.float32)
+            return empty, empty
+        return _l2(np.concatenate(out[0])), _l2(np.concatenate(out[1]))
 
     def describe(self) -> dict[str, Any]:
         h = self.loss_history
@@ -421,6 +467,7 @@ class ClipBackbone:
         self.cache_dir, self.cache_every = cache_dir, cache_every
         self.stop_after_batches = stop_after_batches
         self._batches = 0  # image batches embedded by this object, for stop_after_batches
+        self._embedded: dict[tuple[str, str], np.ndarray] = {}  # (split, field) -> (N, D)
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         import torch
@@ -445,6 +492,14 @@ class ClipBackbone:
             return []
         logging.info("resuming from %s: %d images already embedded", path, len(emb))
         return [emb]
+
+    def encode_pairs(self, split: str, first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
+        # CLIP embeds each image alone; a field shared by two orientations is embedded once.
+        vectors = [self._embedded.get((split, key)) for key in (first, second)]
+        for i, key in enumerate((first, second)):
+            if vectors[i] is None:
+                vectors[i] = self._embedded[(split, key)] = self.encode_images(split, key)
+        return vectors[0], vectors[1]
 
     def encode_images(self, split: str, key: str) -> np.ndarray:
         import torch
@@ -555,14 +610,12 @@ def _make_backbone(dataset: Any, name: str, clip_path: str | None, difference: s
 def _retrieve_split(model: Backbone, source: Any, split: str, entity_emb: np.ndarray,
                     orientations: Sequence[str], k: int,
                     difference: str) -> dict[str, np.ndarray]:
-    keys = sorted({f for o in orientations for f in ORIENTATION_IMAGES[o]})
-    images = {key: model.encode_images(split, key) for key in keys}
     arrays = {"record_ids": np.array([int(source[i]["id"]) for i in range(len(source))],
                                      np.int64)}
     for o in orientations:
-        bef, aft = ORIENTATION_IMAGES[o]
-        ids, scores, constrained = retrieve(images[bef] @ entity_emb.T,
-                                            images[aft] @ entity_emb.T, k, difference)
+        bef, aft = model.encode_pairs(split, *ORIENTATION_IMAGES[o])
+        ids, scores, constrained = retrieve(bef @ entity_emb.T, aft @ entity_emb.T, k,
+                                            difference)
         arrays.update({f"ids_{o}": ids, f"scores_{o}": scores, f"constrained_{o}": constrained})
     return arrays
 
