@@ -187,18 +187,24 @@ def test_change_pooling_finds_the_changed_cell_where_mean_pooling_cannot(toy_in_
 
 def test_change_pooling_reads_the_partner_and_mean_pooling_does_not(toy):
     """An image's vector under change pooling depends on the image it is compared with (the
-    same before image, two different after images); under mean pooling it does not."""
+    same before image, two different after images); under mean pooling it does not, so each
+    field of a split is read and embedded once (``before`` serves two orientations)."""
     texts = [f"{c} {s}" for c in TOY_COLORS for s in TOY_SHAPES]
     captions = {f"the {t} is gone": t for t in texts}
-    first = {}
+    first, encoded = {}, {}
     for pooling in entity_retrieval.POOLINGS:
         settings = entity_retrieval.ContrastiveSettings(steps=5, batch_size=64, dim=8, hidden=8,
                                                         pooling=pooling)
         model = entity_retrieval.ContrastiveBackbone(toy, texts, captions, "signed", settings)
+        calls, encode = [], model._encode
+        model._encode = lambda split, *keys, calls=calls, encode=encode: (
+            calls.append(keys) or encode(split, *keys))
         with_after, _ = model.encode_pairs("test", "before", "after_semantic")
         with_itself, _ = model.encode_pairs("test", "before", "before")
-        first[pooling] = np.abs(with_after - with_itself).max()
+        first[pooling], encoded[pooling] = np.abs(with_after - with_itself).max(), calls
     assert first["mean"] < 1e-6 and first["change"] > 1e-2, first
+    assert encoded["mean"] == [("before",), ("after_semantic",)], encoded
+    assert encoded["change"] == [("before", "after_semantic"), ("before", "before")], encoded
     with pytest.raises(ValueError, match="pooling must be one of .*'max'"):
         entity_retrieval.ContrastiveBackbone(toy, texts, captions, "signed",
                                              entity_retrieval.ContrastiveSettings(pooling="max"))

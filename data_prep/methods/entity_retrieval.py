@@ -84,7 +84,7 @@ import dataclasses
 import json
 import logging
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -192,6 +192,18 @@ def _chunks(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
+def _each_field_once(memo: dict[tuple[str, str], np.ndarray],
+                     encode_field: Callable[[str, str], np.ndarray], split: str, first: str,
+                     second: str) -> tuple[np.ndarray, np.ndarray]:
+    """``encode_pairs`` of a backbone whose vectors do not depend on the partner image: each
+    record field of a split is embedded once (``before`` serves two orientations) and kept in
+    ``memo``, (split, field) -> (N, D)."""
+    for key in (first, second):
+        if (split, key) not in memo:
+            memo[(split, key)] = encode_field(split, key)
+    return memo[(split, first)], memo[(split, second)]
+
+
 class _SplitGrids:
     """Grid features of some records of a split, held in memory (float16) when they fit in
     ``max_bytes``, else read from the data source on every access: the small datasets train
@@ -260,6 +272,7 @@ class ContrastiveBackbone:
         self.word_index = {w: i + 1 for i, w in enumerate(
             sorted({w for t in self.texts for w in _words(t)}))}  # 0 = padding
         self._train_grids: _SplitGrids | None = None
+        self._embedded: dict[tuple[str, str], np.ndarray] = {}  # mean pooling: (split, field)
         self.params, self.loss_history, self.num_pairs = self._train(caption_entity)
 
     # -- data --------------------------------------------------------------------------------
@@ -305,16 +318,16 @@ class ContrastiveBackbone:
 
         class ImageEncoder(nn.Module):
             @nn.compact
-            def __call__(self, first, second):  # two (B, H, W, C) grids of B pairs -> 2 x (B, D)
+            def __call__(self, first, second=None):  # (B, H, W, C) grids -> (B, D) each
                 # Dense_0 and Dense_1 in this order: the mean-pooled model's names, so its
                 # initial values (and stored retrievals) stay what they were.
                 cells = nn.Dense(s.hidden)
                 project = nn.Dense(s.dim)
                 if s.pooling == "mean":
                     # A bag of local features: a camera move that only shifts objects barely
-                    # changes the vector.
+                    # changes the vector. Each image alone: ``second`` may be left out.
                     return tuple(normalise(project(nn.relu(cells(g)).mean(axis=(1, 2))))
-                                 for g in (first, second))
+                                 for g in (first, second) if g is not None)
                 local = [nn.relu(cells(g)).reshape(g.shape[0], -1, s.hidden)
                          for g in (first, second)]
                 # One weight per cell from how the pair differs there, shared by both
@@ -397,27 +410,32 @@ class ContrastiveBackbone:
     def encode_pairs(self, split: str, first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
         """The images in record fields ``first`` and ``second`` of every record of ``split``,
         embedded as pairs (change pooling weighs the cells by the pair) -> 2 x (N, D)."""
+        if self.settings.pooling == "mean":
+            return _each_field_once(self._embedded, lambda sp, key: self._encode(sp, key)[0],
+                                    split, first, second)
+        bef, aft = self._encode(split, first, second)
+        return bef, aft
+
+    def _encode(self, split: str, *keys: str) -> list[np.ndarray]:
+        """The image encoder over record fields ``keys`` (one, or a pair) of ``split``."""
         import jax
 
         image_enc, _ = self._modules()
-        apply = jax.jit(lambda p, a, b: image_enc.apply({"params": p}, a, b))
+        apply = jax.jit(lambda p, *grids: image_enc.apply({"params": p}, *grids))
         source = self.dataset.split(split)
-        keys = (first, second)
         # Grids already in memory for training are reused; anything else streams.
         cached = self._train_grids
         full = (split == "train" and cached is not None and cached.arrays is not None
                 and set(keys) <= set(cached.keys) and len(cached.rows) == len(source))
         grids = cached if full else _SplitGrids(source, range(len(source)), keys, 0)
-        out: list[list[np.ndarray]] = [[], []]
+        out: list[list[np.ndarray]] = [[] for _ in keys]
         for chunk in _chunks(len(source), 256):
             got = grids.get(chunk)
-            for side, vectors in zip(out, apply(self.params["image"], got[first], got[second]),
+            for side, vectors in zip(out, apply(self.params["image"], *(got[k] for k in keys)),
                                      strict=True):
                 side.append(np.asarray(vectors))
-        if not out[0]:
-            empty = np.zeros((0, self.settings.dim), np.float32)
-            return empty, empty
-        return _l2(np.concatenate(out[0])), _l2(np.concatenate(out[1]))
+        return [_l2(np.concatenate(side)) if side
+                else np.zeros((0, self.settings.dim), np.float32) for side in out]
 
     def describe(self) -> dict[str, Any]:
         h = self.loss_history
@@ -494,12 +512,8 @@ class ClipBackbone:
         return [emb]
 
     def encode_pairs(self, split: str, first: str, second: str) -> tuple[np.ndarray, np.ndarray]:
-        # CLIP embeds each image alone; a field shared by two orientations is embedded once.
-        vectors = [self._embedded.get((split, key)) for key in (first, second)]
-        for i, key in enumerate((first, second)):
-            if vectors[i] is None:
-                vectors[i] = self._embedded[(split, key)] = self.encode_images(split, key)
-        return vectors[0], vectors[1]
+        # CLIP embeds each image alone.
+        return _each_field_once(self._embedded, self.encode_images, split, first, second)
 
     def encode_images(self, split: str, key: str) -> np.ndarray:
         import torch
