@@ -1,7 +1,7 @@
 """An oracle retrieval for the synthetic set: CHEERS fed the right change entities.
 
     python -m data_prep.oracle_entities --out_data_dir=DIR [--data_dir=SRC] \\
-        [--variant=moderate]
+        [--variant=moderate] [--fraction=1.0 --seed=0]
 
 CHEERS reads the top-k entities of a retrieval (paper §3.1.2, Eq. 1); on the synthetic set the
 trained retrieval rarely names the changed object (``data_prep.entity_recall``:
@@ -13,6 +13,10 @@ change: for each semantic pair, the entities that refer to the changed object
 them, then by id; the remaining slots keep the source's ranking. Distractor orientations are
 kept as they are (nothing changed in them: there is no right entity to give). Train on it with
 ``--config.dataset.data_dir=DIR`` (docs/ablations.md, "CHEERS, measured piece by piece").
+
+``--fraction=F`` gives the oracle's order to a random F of each split's semantic pairs (drawn
+with ``--seed``) and keeps the source's ranking for the others: a retrieval between the trained
+one and the oracle, to measure how CHEERS' score grows with the retrieval's recall.
 
 The true entities need the scene of each record, which only the synthetic builder regenerates
 (``builder.make_example``); real datasets have no oracle here.
@@ -67,20 +71,36 @@ def _link_tree(source: Path, target: Path) -> None:
         os.symlink(entry.resolve(), link)
 
 
-def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
+def oracle_rows(num_rows: int, fraction: float, seed: int, split_index: int) -> np.ndarray:
+    """(num_rows,) bool: the ``round(fraction * num_rows)`` rows of a split that get the
+    oracle's order, drawn from (seed, split_index) so each split's draw is its own."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"oracle fraction must lie in [0, 1], got {fraction}")
+    chosen = np.zeros(num_rows, bool)
+    order = np.random.default_rng([seed, split_index]).permutation(num_rows)
+    chosen[order[:round(fraction * num_rows)]] = True
+    return chosen
+
+
+def write_oracle(dataset: Any, out_dataset_dir: Path, fraction: float = 1.0,
+                 seed: int = 0) -> dict[str, Any]:
     """Writes ``out_dataset_dir`` (links to ``dataset``'s files plus an oracle
-    ``entity_retrieval/``) and returns the oracle's meta.json content, which records the
-    fraction of semantic pairs with at least one true entity per split (the oracle's
-    recall@k, which is also its ceiling)."""
+    ``entity_retrieval/``) and returns the oracle's meta.json content, which records per
+    split the fraction of semantic pairs with a true entity among the written top k (the
+    written retrieval's recall@k; with ``fraction`` 1 also the oracle's ceiling).
+    ``fraction`` < 1 orders only that share of each split's semantic pairs
+    (:func:`oracle_rows`); the others keep the source's ids."""
     from changecap_jax.data.synthetic import builder as synthetic_builder
 
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"oracle fraction must lie in [0, 1], got {fraction}")
     stored = entity_inputs.load(dataset.directory)
     config = dataset.builder.builder_config
     table = entity_recall._attribute_table(stored.texts)
     _link_tree(dataset.directory, out_dataset_dir)
     coverage = {}
     with replaced_folder(out_dataset_dir, entity_inputs.RETRIEVAL_DIR) as tmp:
-        for split in stored.meta["splits"]:
+        for split_index, split in enumerate(stored.meta["splits"]):
             kept = stored.split(split)
             relevant = np.zeros((len(kept.record_ids), len(stored.texts)), bool)
             for i, record_id in enumerate(kept.record_ids):
@@ -88,20 +108,26 @@ def write_oracle(dataset: Any, out_dataset_dir: Path) -> dict[str, Any]:
                     synthetic_builder.make_example(config, int(record_id)))
                 relevant[i] = entity_recall.true_entities(stored.texts, obj, scene, table)
             arrays = {"record_ids": kept.record_ids}
+            chosen = oracle_rows(len(kept.record_ids), fraction, seed, split_index)
             for o in stored.orientations:
-                ids = oracle_ids(kept.ids[o], relevant) if o == "semantic" else kept.ids[o]
+                ids = kept.ids[o]
+                if o == "semantic":
+                    ids = np.where(chosen[:, None], oracle_ids(ids, relevant), ids)
+                    semantic_ids = ids
                 arrays[f"ids_{o}"] = ids.astype(np.int32)
                 # The oracle has no Eq. 1 score; the source's scores keep their places.
                 arrays[f"scores_{o}"] = kept.scores[o]
                 arrays[f"constrained_{o}"] = kept.constrained[o]
             np.savez(tmp / f"{split}.npz", **arrays)
-            coverage[split] = float(relevant.any(1).mean())
+            coverage[split] = float(np.take_along_axis(relevant, semantic_ids, 1)
+                                    .any(1).mean())
         np.save(tmp / "embeddings.npy", stored.embeddings)
         (tmp / "texts.json").write_text(json.dumps(stored.texts))
         meta = {**stored.meta, "backbone": ORACLE_BACKBONE,
                 "backbone_details": {"name": ORACLE_BACKBONE,
                                      "source": str(dataset.directory),
                                      "source_backbone": stored.meta["backbone"],
+                                     "fraction": fraction, "seed": seed,
                                      "semantic_pairs_with_a_true_entity": coverage}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, allow_nan=False))
     return meta
@@ -116,15 +142,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Root of the copy (pass it as --config.dataset.data_dir).")
     parser.add_argument("--data_dir", default=None, help="The source dataset's root.")
     parser.add_argument("--variant", default="")
+    parser.add_argument("--fraction", type=float, default=1.0,
+                        help="Share of each split's semantic pairs given the oracle's order "
+                             "(the others keep the source's ranking).")
+    parser.add_argument("--seed", type=int, default=0, help="Draws the --fraction rows.")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.fraction <= 1.0:
+        parser.error(f"--fraction must lie in [0, 1], got {args.fraction}")
     dataset = datasets.prepare("synthetic", args.data_dir, args.variant,
                                build_if_missing=False)
     root = Path(datasets.default_data_dir() if not args.data_dir else args.data_dir)
     relative = Path(dataset.directory).resolve().relative_to(root.resolve())
     target = Path(args.out_data_dir) / relative
-    meta = write_oracle(dataset, target)
+    meta = write_oracle(dataset, target, args.fraction, args.seed)
     cover = meta["backbone_details"]["semantic_pairs_with_a_true_entity"]
-    print(f"wrote {target} (semantic pairs with a true entity: "
+    print(f"wrote {target} (semantic pairs with a true entity in the top k: "
           + ", ".join(f"{s} {100 * v:.1f}%" for s, v in cover.items()) + ")")
     return 0
 
