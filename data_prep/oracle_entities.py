@@ -71,11 +71,15 @@ def _link_tree(source: Path, target: Path) -> None:
         os.symlink(entry.resolve(), link)
 
 
+def _check_fraction(fraction: float) -> None:
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"oracle fraction must lie in [0, 1], got {fraction}")
+
+
 def oracle_rows(num_rows: int, fraction: float, seed: int, split_index: int) -> np.ndarray:
     """(num_rows,) bool: the ``round(fraction * num_rows)`` rows of a split that get the
     oracle's order, drawn from (seed, split_index) so each split's draw is its own."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"oracle fraction must lie in [0, 1], got {fraction}")
+    _check_fraction(fraction)
     chosen = np.zeros(num_rows, bool)
     order = np.random.default_rng([seed, split_index]).permutation(num_rows)
     chosen[order[:round(fraction * num_rows)]] = True
@@ -92,8 +96,7 @@ def write_oracle(dataset: Any, out_dataset_dir: Path, fraction: float = 1.0,
     (:func:`oracle_rows`); the others keep the source's ids."""
     from changecap_jax.data.synthetic import builder as synthetic_builder
 
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"oracle fraction must lie in [0, 1], got {fraction}")
+    _check_fraction(fraction)
     stored = entity_inputs.load(dataset.directory)
     config = dataset.builder.builder_config
     table = entity_recall._attribute_table(stored.texts)
@@ -147,8 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(the others keep the source's ranking).")
     parser.add_argument("--seed", type=int, default=0, help="Draws the --fraction rows.")
     args = parser.parse_args(argv)
-    if not 0.0 <= args.fraction <= 1.0:
-        parser.error(f"--fraction must lie in [0, 1], got {args.fraction}")
+    try:
+        _check_fraction(args.fraction)
+    except ValueError as e:
+        parser.error(str(e))
     dataset = datasets.prepare("synthetic", args.data_dir, args.variant,
                                build_if_missing=False)
     root = Path(datasets.default_data_dir() if not args.data_dir else args.data_dir)
