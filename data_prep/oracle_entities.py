@@ -116,13 +116,12 @@ def write_oracle(dataset: Any, out_dataset_dir: Path, fraction: float = 1.0,
                 ids = kept.ids[o]
                 if o == "semantic":
                     ids = np.where(chosen[:, None], oracle_ids(ids, relevant), ids)
-                    semantic_ids = ids
                 arrays[f"ids_{o}"] = ids.astype(np.int32)
                 # The oracle has no Eq. 1 score; the source's scores keep their places.
                 arrays[f"scores_{o}"] = kept.scores[o]
                 arrays[f"constrained_{o}"] = kept.constrained[o]
             np.savez(tmp / f"{split}.npz", **arrays)
-            coverage[split] = float(np.take_along_axis(relevant, semantic_ids, 1)
+            coverage[split] = float(np.take_along_axis(relevant, arrays["ids_semantic"], 1)
                                     .any(1).mean())
         np.save(tmp / "embeddings.npy", stored.embeddings)
         (tmp / "texts.json").write_text(json.dumps(stored.texts))
