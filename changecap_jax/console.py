@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -31,6 +32,8 @@ QUIET_LIBRARIES = ("jax",)
 # so told apart by the file that logged).
 QUIET_SOURCES = ("/orbax/", "/tensorflow_datasets/", "/grain/", "/etils/", "/fsspec/", "/gcsfs/")
 LOG_PROGRESS_EVERY_S = 30.0  # off a terminal: the least time between two progress lines
+# tqdm's cursor moves between stacked bars (ESC [ n A and the like): a terminal's business.
+_CURSOR_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def is_terminal() -> bool:
@@ -45,7 +48,7 @@ class _ProgressLog:
     """tqdm's output file off a terminal: each redraw becomes one INFO log line."""
 
     def write(self, text: str) -> None:
-        text = text.replace("\r", "").strip()
+        text = _CURSOR_CODES.sub("", text).replace("\r", "").strip()
         if text:
             logging.getLogger("changecap_jax.progress").info("%s", text)
 
