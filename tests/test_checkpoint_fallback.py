@@ -4,6 +4,8 @@ error. One 4-step run (checkpoints at 2 and 4) is shared; each test damages its 
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import logging
 import os
@@ -178,3 +180,40 @@ def test_the_command_passes_a_damaged_step_with_its_warning_line_alone(run, tmp_
     assert "checkpoint 4" in done.stderr and "falling back to step 2" in done.stderr
     for noise in ("Traceback", "Exception ignored", "Event loop is closed"):
         assert noise not in done.stderr, done.stderr[:3000]
+
+
+def _abandon_a_read_task(error: BaseException) -> None:
+    """What orbax leaves when it gives up a damaged step while another read runs as an asyncio
+    task (more reads get that far on a loaded machine): a failed task that nobody awaits,
+    whose error asyncio logs when the task is collected."""
+    async def _read_array_index_and_device_put():
+        raise error
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(_read_array_index_and_device_put())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()
+    assert task.done()
+    del task
+    gc.collect()
+
+
+def test_an_abandoned_read_task_of_a_damaged_step_logs_nothing(run, tmp_path, caplog):
+    workdir = _copy(run, tmp_path)
+    _truncate_arrays(workdir, 4)
+    manager = checkpoints.make_checkpoint_manager(workdir / "checkpoints", 3)
+    state_only = lambda step, items: {"state": ocp.args.StandardRestore()}
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.restore(manager, state_only)[0] == 2
+    with pytest.raises(Exception) as read:  # the error orbax's reads of step 4 end with
+        manager.restore(4, args=ocp.args.Composite(**state_only(4, {})))
+    assert checkpoints.damage_reason(read.value) is not None
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        _abandon_a_read_task(read.value)
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    # Any other failed task is still reported.
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        _abandon_a_read_task(KeyError("a bug, not damage"))
+    (record,) = [r for r in caplog.records if r.name == "asyncio"]
+    assert "Task exception was never retrieved" in record.getMessage()

@@ -33,3 +33,30 @@ def test_a_function_with_too_many_branches_is_reported(tmp_path):
     branches = "\n".join(f"    if x == {i}:\n        return {i}" for i in range(18))
     report = _ruff(tmp_path, f"def branchy(x):\n{branches}\n    return -1\n")
     assert "C901 `branchy` is too complex (19 > 18)" in report, report
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions(root: Path, limit: int) -> list[str]:
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({length})")
+    return found
+
+
+def test_no_library_function_is_longer_than_a_screen(tmp_path):
+    # Statements and branches leave room for a long function of long calls; this counts lines.
+    planted = tmp_path / "pkg"
+    planted.mkdir()
+    (planted / "m.py").write_text("def long():\n" + "    x = 1\n" * 61 + "\n\ndef short():\n"
+                                  "    pass\n")
+    assert [f.split(" ")[1] for f in _long_functions(planted, MAX_FUNCTION_LINES)] == ["long"]
+    for package in ("changecap_jax", "data_prep"):
+        assert _long_functions(ROOT / package, MAX_FUNCTION_LINES) == [], package

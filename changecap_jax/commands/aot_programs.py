@@ -377,6 +377,33 @@ def refusal_message(program: Program, error: str) -> str:
             f"(the TPU compiler's count)")
 
 
+def _cost_warnings(program: Program, measured: dict[str, Any]) -> list[str]:
+    """The warning of a program whose executable has no XLA cost analysis."""
+    if measured.get("bytes_accessed") is not None and measured.get("flops") is not None:
+        return []
+    return [f"{program.name}: no XLA cost analysis (XLA's "
+            f"{'FLOPs' if measured.get('flops') is None else 'bytes accessed'} missing: the "
+            f"compiler's executable has none and aot_programs.module_cost, a private jaxlib "
+            f"entry point, is unavailable or failed); the roofline's memory term is "
+            f"{'missing' if measured.get('bytes_accessed') is None else 'kept'} and its FLOPs "
+            f"are the traced matmuls only, so the bound may be far too low"]
+
+
+def _largest_batch(program: Program, mem: dict[str, Any], used: float, room: float,
+                   chips: int) -> int | None:
+    """The largest global batch estimated to fit in ``room`` bytes per chip.
+
+    Batch-independent: the state (parameters, optimiser), code, outputs and whatever stays
+    resident; the rest (the batch and every temporary) is taken as proportional to the batch.
+    That overstates the per-example cost by the batch-independent temporaries (the
+    gradients), and understates it where memory grows faster than the batch: SCORER's
+    batch-wide matching (estimated 1,504 from batch 128 on a v5litepod-8; compiled at 1,504 it
+    needs 20.5 GiB per chip of the 15.75: docs/accelerators.md)."""
+    per_unit = (program.batch_bytes + mem["temporaries"]) / (program.batch / chips)
+    fixed = used - program.batch_bytes - mem["temporaries"]
+    return max(0, int((room - fixed) // per_unit)) * chips if per_unit else None
+
+
 def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
             chips: int, compute_dtype: str = "bfloat16",
             fabric: interconnect.Interconnect | None = None) -> dict[str, Any]:
@@ -400,26 +427,8 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
     terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
     bound_by = max(terms, key=terms.get)  # ties: compute first, as before
     bound_s = terms[bound_by]
-    warnings = []
-    if measured.get("bytes_accessed") is None or measured.get("flops") is None:
-        warnings.append(
-            f"{program.name}: no XLA cost analysis (XLA's "
-            f"{'FLOPs' if measured.get('flops') is None else 'bytes accessed'} missing: the "
-            f"compiler's executable has none and aot_programs.module_cost, a private jaxlib "
-            f"entry point, is unavailable or failed); the roofline's memory term is "
-            f"{'missing' if measured.get('bytes_accessed') is None else 'kept'} and its FLOPs "
-            f"are the traced matmuls only, so the bound may be far too low")
     per_chip_batch = program.batch / chips
-    # Batch-independent: the state (parameters, optimiser), code, outputs and whatever stays
-    # resident; the rest (the batch and every temporary) is taken as proportional to the
-    # batch. That overstates the per-example cost by the batch-independent temporaries (the
-    # gradients), and understates it where memory grows faster than the batch: SCORER's
-    # batch-wide matching (estimated 1,504 from batch 128 on a v5litepod-8; compiled at 1,504
-    # it needs 20.5 GiB per chip of the 15.75: docs/accelerators.md).
-    per_unit = (program.batch_bytes + mem["temporaries"]) / per_chip_batch
-    fixed = used - program.batch_bytes - mem["temporaries"]
     room = chip.hbm_available
-    largest = max(0, int((room - fixed) // per_unit)) * chips if per_unit else None
     return {
         "program": program.name, "what": program.what, "batch": program.batch,
         "unit": program.unit, "per_chip_batch": per_chip_batch,
@@ -438,6 +447,7 @@ def analyse(program: Program, measured: dict[str, Any], chip: tpu_specs.Chip,
         "roofline_comm_s": comm_s,
         "roofline_s": bound_s, "bound_by": bound_by,
         "roofline_per_s": program.batch / bound_s if bound_s else None,
-        "largest_batch_estimate": largest, "warnings": warnings,
+        "largest_batch_estimate": _largest_batch(program, mem, used, room, chips),
+        "warnings": _cost_warnings(program, measured),
         "lower_s": measured["lower_s"], "compile_s": measured["compile_s"],
     }

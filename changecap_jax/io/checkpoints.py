@@ -193,17 +193,35 @@ def _abandoned_read(unraisable: Any) -> bool:
     stops reading at the first unreadable array, and its other read coroutines and TensorStore
     callbacks then fail with nobody to catch them ("Exception ignored in: <coroutine
     _read_array_index_and_device_put>", "Event loop is closed"), one traceback each."""
-    error = unraisable.exc_value
+    where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
+    return "_read_array" in where or _abandoned_read_error(unraisable.exc_value)
+
+
+def _abandoned_read_error(error: BaseException | None) -> bool:
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
-    where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
-    return "_read_array" in where or damage_reason(error) is not None
+    return error is not None and damage_reason(error) is not None
+
+
+class _AbandonedReadTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for an abandoned read: the same
+    echo as :func:`_abandoned_read` when the read ran as a task (which depends on timing: a
+    loaded machine finishes more reads before orbax gives up). A task that failed otherwise
+    still logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not ("never retrieved" in str(record.msg) and _abandoned_read_error(error))
 
 
 def _quiet_abandoned_reads() -> None:
     """From now on, leaves out the tracebacks of :func:`_abandoned_read` (they arrive while a
-    damaged step is read and after it has been passed with its one warning line); every other
-    unraisable exception still reaches the hook that was installed before."""
+    damaged step is read and after it has been passed with its one warning line), those
+    unraisable and those asyncio logs for a task; every other unraisable exception still
+    reaches the hook that was installed before."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReadTasks) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReadTasks())
     previous = sys.unraisablehook
     if getattr(previous, "_changecap_quiet_reads", False):
         return
