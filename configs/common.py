@@ -42,8 +42,8 @@ def prebuilt_dataset(name: str) -> ml_collections.ConfigDict:
 
 def cpu_training(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The trainer fields of every model's synthetic (CPU) preset: batch 64, 1000 steps, a
-    constant lr 5e-4, val every 500 steps. Sized so the README command (dataset build
-    included) ends within ~15 min on 2 cores."""
+    constant lr 5e-4, val every 500 steps. Sized so a run (dataset build included) ends within
+    ~15 min on 2 cores."""
     config.batch_size = 64
     config.eval_batch_size = 200
     config.num_train_steps = 1000
