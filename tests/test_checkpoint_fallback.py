@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from train_helpers import tiny_config
 
-from changecap_jax import exported_model
+from changecap_jax import exported_model, parallel
 from changecap_jax.commands import export
 from changecap_jax.io import checkpoints, metric_writer
 from changecap_jax.trainers import captioning, update
@@ -30,7 +30,7 @@ from changecap_jax.trainers import captioning, update
 def run(small_synthetic, tmp_path_factory) -> dict:
     data_dir = str(small_synthetic.directory.parents[2])
     workdir = tmp_path_factory.mktemp("fallback") / "run"
-    trainer = captioning.Trainer(_config(data_dir), workdir)
+    trainer = captioning.Trainer(_config(data_dir), workdir, mesh=parallel.make_mesh(1))
     fresh = trainer.init_state()
     with pytest.MonkeyPatch.context() as patch:
         _reuse_fresh_state(patch, fresh)
@@ -94,7 +94,7 @@ def test_eval_then_resume_fall_back_to_the_intact_step(run, tmp_path, caplog, mo
     assert _steps(workdir) == [2, 4]  # eval leaves the workdir as it is
 
     caplog.clear()
-    resumed = captioning.Trainer(_config(run["data_dir"]), workdir)
+    resumed = captioning.Trainer(_config(run["data_dir"]), workdir, mesh=parallel.make_mesh(1))
     resumed.train_step = run["train_step"]  # the same update, compiled once for the module
     with caplog.at_level(logging.WARNING):
         resumed.train()
@@ -136,7 +136,7 @@ def test_no_intact_step_is_an_error_naming_each(run, tmp_path, monkeypatch):
     # Step 2's model state is whole, but its data iterator's state is not: damaged too.
     (workdir / "checkpoints" / "2" / "data" / "process_0-of-1.json").write_text('{"format"')
     with pytest.raises(checkpoints.CheckpointError) as error:
-        captioning.Trainer(_config(run["data_dir"]), workdir).train()
+        captioning.Trainer(_config(run["data_dir"]), workdir, mesh=parallel.make_mesh(1)).train()
     message = str(error.value)
     assert message.startswith(f"no intact checkpoint in {workdir / 'checkpoints'}")
     assert "step 4: unreadable arrays" in message and "step 2: data/process_0-of-1.json" in message

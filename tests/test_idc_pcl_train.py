@@ -170,7 +170,7 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
     config = tiny_idc(data_dir, num_train_steps=2, eval_every_steps=2, eval_splits=("val",),
                       final_eval_splits=("test",), early_stop_evals=1, spice="off")
     first = tmp_path / "first"
-    trainer = captioning.Trainer(config, first)
+    trainer = captioning.Trainer(config, first, mesh=parallel.make_mesh(1))
     trainer.train()
     record = json.loads((first / "best" / "record.json").read_text())
     assert record["metric"] == "idc/CIDEr"  # the official selection: the IDC code's CIDEr
@@ -197,7 +197,8 @@ def test_run_evaluates_best_state_and_init_from_skips_the_pooler(data_dir, tmp_p
                              else str(r["image_id"])] for r in records]
 
     # A second run initialised from the first: all parameters but the pooler's are copied.
-    second = captioning.Trainer(tiny_idc(data_dir, seed=99), tmp_path / "second")
+    second = captioning.Trainer(tiny_idc(data_dir, seed=99), tmp_path / "second",
+                                mesh=parallel.make_mesh(1))
     fresh = second.init_state().params
     copied = checkpoints.init_params_from(fresh, first, ("pooler",))
     source = checkpoints.make_checkpoint_manager(first / "checkpoints", 1)

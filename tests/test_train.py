@@ -62,17 +62,19 @@ def _logged_steps(workdir: Path) -> list[int]:
 def test_resume_continues_exactly(data_dir, tmp_path):
     # The reading workers change neither the batches nor the checkpointed data position:
     # 0 workers uninterrupted == 2 workers, interrupted, resumed with 1.
-    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full")
+    one = parallel.make_mesh(1)  # resuming is the point, not sharding (test_multihost.py)
+    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=6), tmp_path / "full",
+                              mesh=one)
     full.train()
     first = captioning.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=3), 2),
-                          tmp_path / "resumed")
+                               tmp_path / "resumed", mesh=one)
     first.train()  # "interrupted" after 3 steps: its final checkpoint is step 3
     # A crash after logging steps the checkpoint does not hold (and mid-line): the resume
     # replays them, and scalars.jsonl keeps one line per step.
     with (tmp_path / "resumed" / metric_writer.SCALARS_FILE).open("a") as fh:
         fh.write('{"step": 4, "loss": 9.0}\n{"step": 5, "loss": 9.0}\n{"step": 6, "lo')
     second = captioning.Trainer(_with_workers(tiny_config(data_dir, num_train_steps=6), 1),
-                           tmp_path / "resumed")
+                                tmp_path / "resumed", mesh=one)
     second.train()
     assert [s for s, _ in second.history] == [4, 5, 6]
     for (step, resumed), (_, uninterrupted) in zip(second.history, full.history[3:], strict=True):
@@ -91,10 +93,13 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_resumes(data_dir, tmp_path
 
     from changecap_jax.trainers.preemption import Preempted
 
-    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "full")
+    one = parallel.make_mesh(1)
+    full = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "full",
+                              mesh=one)
     full.train()
     before = signal.getsignal(signal.SIGTERM)
-    preempted = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run")
+    preempted = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run",
+                                   mesh=one)
     run_step = preempted.run_step
 
     def noticed_at_step_2(state, step, streams):
@@ -108,7 +113,8 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_resumes(data_dir, tmp_path
     assert signal.getsignal(signal.SIGTERM) is before
     manager = checkpoints.make_checkpoint_manager(tmp_path / "run" / "checkpoints", keep=3)
     assert manager.all_steps() == [2]
-    rerun = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run")
+    rerun = captioning.Trainer(tiny_config(data_dir, num_train_steps=4), tmp_path / "run",
+                               mesh=one)
     rerun.train()
     assert [s for s, _ in rerun.history] == [3, 4]
     for (step, resumed), (_, uninterrupted) in zip(rerun.history, full.history[2:], strict=True):
@@ -138,6 +144,7 @@ import asyncio, os, sys, threading
 sys.path.insert(0, "tests")
 from orbax.checkpoint._src.path import atomicity
 from train_helpers import tiny_config
+from changecap_jax import parallel
 from changecap_jax.trainers import captioning
 
 data_dir, workdir = sys.argv[1], sys.argv[2]
@@ -151,7 +158,8 @@ async def held(self):
 
 atomicity.AtomicRenameTemporaryPath.finalize = held
 trainer = captioning.Trainer(tiny_config(data_dir, num_train_steps=8, checkpoint_every_steps=2,
-                                         async_checkpoints=True), workdir)
+                                         async_checkpoints=True), workdir,
+                             mesh=parallel.make_mesh(1))
 run_step = trainer.run_step
 
 def noted(state, step, streams):
@@ -194,7 +202,8 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_previous_step(data_d
     assert checkpoints.steps(directory) == [2]
     assert any(p.name.startswith("4.orbax-checkpoint-tmp") for p in directory.iterdir())
     rerun = captioning.Trainer(tiny_config(data_dir, num_train_steps=8,
-                                           checkpoint_every_steps=2), workdir)
+                                           checkpoint_every_steps=2), workdir,
+                               mesh=parallel.make_mesh(1))
     rerun.train()
     assert [s for s, _ in rerun.history] == [3, 4, 5, 6, 7, 8]  # from step 2
     assert checkpoints.steps(directory)[-1] == 8
