@@ -35,22 +35,16 @@ def test_unknown_preset_lists_the_presets(config_name):
 
 
 def test_the_quickstart_preset_is_the_synthetic_one_with_its_budget():
+    from flax import traverse_util
+
     from configs import dirl
 
-    quick, synthetic = dirl.get_config("quickstart"), dirl.get_config("synthetic")
-    flat = lambda c: dict(_flatten(c.to_dict()))  # noqa: E731
-    changed = {k for k, v in flat(quick).items() if flat(synthetic).get(k) != v}
+    quick, synthetic = (traverse_util.flatten_dict(dirl.get_config(p).to_dict(), sep=".")
+                        for p in ("quickstart", "synthetic"))
+    changed = {k for k in quick.keys() | synthetic.keys() if quick.get(k) != synthetic.get(k)}
     assert changed == {"num_train_steps", "optim.learning_rate", "eval_every_steps",
                        "checkpoint_every_steps", "final_eval_splits", "dataset.on_device",
                        "loss_weights.dirl", "loss_weights.ccr"}
-    assert quick.eval_every_steps == quick.num_train_steps  # one evaluation, at the end
+    assert quick["eval_every_steps"] == quick["num_train_steps"]  # one evaluation, at the end
     # Its ablations apply as on the synthetic preset.
     assert "ccr" not in dirl.get_config("quickstart/dirl").loss_weights
-
-
-def _flatten(tree, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
